@@ -1,0 +1,107 @@
+"""Positioned reads of raw tensor bytes into caller-owned CPU tensors.
+
+Every reader in this package ends here once it knows where a tensor's bytes start in a file. Reading with
+``os.preadv`` into a fresh tensor keeps resident memory at the size of that tensor: the page cache that the kernel
+fills is not charged to the process, whereas touching an ``mmap`` of the file grows RssFile up to the file size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+# Reads are issued in pieces of this size; short reads (signals, >2 GiB requests on Linux) are retried.
+_READ_PIECE = 1 << 30
+# A slice that is not a run of whole rows is assembled from row blocks of at most this many bytes.
+_SLICE_BLOCK = 64 << 20
+
+
+def readinto(fd: int, target: torch.Tensor, offset: int, *, file_name: str) -> None:
+    """Fill the contiguous CPU tensor ``target`` with the bytes at ``offset`` of the open file ``fd``.
+
+    Raises:
+        ValueError: if the file ends before ``target`` is full (a truncated checkpoint), or ``target`` is not a
+            contiguous CPU tensor.
+    """
+    if target.device.type != "cpu" or not target.is_contiguous():
+        raise ValueError("readinto needs a contiguous CPU tensor")
+    nbytes = target.numel() * target.element_size()
+    if nbytes == 0:
+        return
+    # A ctypes view, not .numpy(): numpy export pins the storage, and writers free storages by resizing them.
+    view = memoryview((ctypes.c_ubyte * nbytes).from_address(target.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        count = os.preadv(fd, [view[done : done + _READ_PIECE]], offset + done)
+        if count == 0:
+            raise ValueError(
+                f"'{file_name}' is truncated: a tensor needs bytes {offset}..{offset + nbytes} but the file ends at"
+                f" {offset + done}. Re-copy or re-save the checkpoint."
+            )
+        done += count
+
+
+def read_tensor(fd: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *, file_name: str) -> torch.Tensor:
+    """Read a row-major tensor of ``shape`` and ``dtype`` stored at ``offset``; returns a new CPU tensor."""
+    tensor = torch.empty(tuple(shape), dtype=dtype)
+    readinto(fd, tensor, offset, file_name=file_name)
+    return tensor
+
+
+def normalize_index(index: tuple[slice, ...], shape: Sequence[int], name: str) -> list[tuple[int, int]]:
+    """Turn a tuple of unit-step slices into ``(start, stop)`` per dimension (missing trailing dims = full)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if len(index) > len(shape):
+        raise ValueError(f"index {index} has {len(index)} entries but tensor '{name}' has shape {list(shape)}")
+    box = []
+    for dim, size in enumerate(shape):
+        item = index[dim] if dim < len(index) else slice(None)
+        if not isinstance(item, slice):
+            raise TypeError(f"read_slice('{name}', ...) takes a tuple of slices, got {item!r} at dim {dim}")
+        start, stop, step = item.indices(size)
+        if step != 1:
+            raise ValueError(f"read_slice('{name}', ...) supports unit steps only, got step {step} at dim {dim}")
+        box.append((start, max(start, stop)))
+    return box
+
+
+def read_box(
+    fd: int,
+    offset: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    index: tuple[slice, ...],
+    *,
+    name: str,
+    file_name: str,
+) -> torch.Tensor:
+    """Read only the box ``index`` of a row-major tensor stored at ``offset``; returns a new contiguous tensor.
+
+    A box of whole rows is one positioned read. Any other box is assembled from blocks of whole rows of at most
+    64 MiB each, so memory stays at the box plus one block.
+    """
+    box = normalize_index(index, shape, name)
+    box_shape = [stop - start for start, stop in box]
+    if len(shape) == 0:
+        return read_tensor(fd, offset, (), dtype, file_name=file_name)
+    itemsize = dtype.itemsize
+    row_bytes = math.prod(shape[1:]) * itemsize
+    first_row, last_row = box[0]
+    out = torch.empty(box_shape, dtype=dtype)
+    if out.numel() == 0:
+        return out
+    inner = tuple(slice(start, stop) for start, stop in box[1:])
+    if all(stop - start == size for (start, stop), size in zip(box[1:], shape[1:])):
+        readinto(fd, out, offset + first_row * row_bytes, file_name=file_name)
+        return out
+    rows_per_block = max(1, _SLICE_BLOCK // max(1, row_bytes))
+    for row in range(first_row, last_row, rows_per_block):
+        block_end = min(last_row, row + rows_per_block)
+        block = read_tensor(fd, offset + row * row_bytes, [block_end - row, *shape[1:]], dtype, file_name=file_name)
+        out[row - first_row : block_end - first_row] = block[(slice(None), *inner)]
+    return out

@@ -1,0 +1,145 @@
+"""The ``fabric-hsdp`` command: argument parsing and error reporting; the work is in ``fabric_hsdp.checkpoint``.
+
+Exit codes: 0 success, 1 failure while working (e.g. disk full), 2 bad input (missing file, not a checkpoint,
+truncated file, existing output without ``--overwrite``, bad arguments), 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+_BAD_INPUT = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
+
+_CONVERT_HELP = """Convert a checkpoint, one tensor at a time; DEST appears only once complete.
+
+SOURCE: a torch file (.pth/.pt/.bin/.ckpt; state dict or Fabric/Lightning checkpoint), a .safetensors file,
+a Hugging Face directory or a DCP directory. DEST format: --to, else from its name: .pth/.pt/.bin/.ckpt = torch
+file, .safetensors = one safetensors file, anything else = DCP directory.
+"""
+
+
+def build_parser() -> Any:
+    """The ``fabric-hsdp`` argument parser (jsonargparse, so ``--config`` files work)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="fabric-hsdp", description="Convert and inspect checkpoints for fabric-hsdp.")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    subcommands = parser.add_subcommands(dest="command")
+
+    convert = ArgumentParser(description=_CONVERT_HELP)
+    convert.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
+    convert.add_argument("source", type=str, help="checkpoint to read")
+    convert.add_argument("dest", type=str, help="output path (must not exist unless --overwrite)")
+    convert.add_argument("--to", type=str | None, choices=["dcp", "torch", "safetensors"], help="output format")
+    convert.add_argument("--dtype", type=str | None, choices=["bf16", "fp16", "fp32"], help="cast float tensors")
+    convert.add_argument(
+        "--key_map",
+        type=list[str] | str | None,
+        help="rename tensors: OLD=NEW renames a prefix, OLD= strips it, !OLD drops keys; comma-separated",
+    )
+    convert.add_argument(
+        "--max_shard_size", type=str, default="5GB", help="largest safetensors shard of a directory output"
+    )
+    convert.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    convert.add_argument(
+        "--unsafe_pickle", action="store_true", help="unpickle without weights_only (trusted files only)"
+    )
+    convert.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    subcommands.add_subcommand("convert", convert, help="convert a checkpoint to DCP, a torch file or safetensors")
+
+    inspect = ArgumentParser(description="Describe a checkpoint without reading tensor data.")
+    inspect.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
+    inspect.add_argument("path", type=str, help="checkpoint file or directory")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    inspect.add_argument("--unsafe_pickle", action="store_true", help="unpickle without weights_only (trusted only)")
+    inspect.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    subcommands.add_subcommand("inspect", inspect, help="show format, tensor count, sizes, dtypes and first keys")
+    return parser
+
+
+def _print_inspection(info: dict[str, Any]) -> None:
+    from fabric_hsdp.checkpoint.convert import format_bytes
+
+    dtypes = ", ".join(f"{dtype} x{count}" for dtype, count in info["dtypes"].items())
+    print(f"{info['path']}: {info['format']}")
+    print(f"  tensors: {info['tensors']}  parameters: {info['parameters']:,}  size: {format_bytes(info['bytes'])}")
+    print(f"  dtypes: {dtypes or '-'}")
+    if info["largest"]:
+        largest = info["largest"]
+        print(f"  largest: {largest['name']} {largest['shape']} {format_bytes(largest['bytes'])}")
+    for entry in info["first_keys"]:
+        print(f"    {entry['name']}  {entry['shape']}  {entry['dtype']}")
+    if info["tensors"] > len(info["first_keys"]):
+        print(f"    ... {info['tensors'] - len(info['first_keys'])} more")
+    for key, extra in info["extras"].items():
+        print(f"  extra {key!r}: {extra['tensors']} tensors, {format_bytes(extra['bytes'])}")
+    if "dcp" in info:
+        dcp = info["dcp"]
+        files = ", ".join(f"{entry['name']} ({format_bytes(entry['bytes'])})" for entry in dcp["files"])
+        print(f"  dcp files: {files or '-'}")
+        print(f"  chunked tensors: {dcp['chunked_tensors']} (at most {dcp['max_chunks']} chunks per tensor)")
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror and not isinstance(error, _BAD_INPUT):
+        text = error.strerror + (f": '{error.filename}'" if error.filename else "")
+    else:
+        text = str(error) or type(error).__name__
+    if isinstance(error, KeyError) and text.startswith(("'", '"')):
+        text = text[1:-1]
+    return " ".join(text.split())
+
+
+def _run(command: str, args: Any) -> None:
+    from fabric_hsdp.checkpoint.convert import convert_checkpoint, inspect_checkpoint
+
+    if command == "convert":
+        convert_checkpoint(
+            args.source,
+            args.dest,
+            to=args.to,
+            dtype=args.dtype,
+            key_map=args.key_map,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            weights_only=not args.unsafe_pickle,
+        )
+    else:
+        info = inspect_checkpoint(args.path, weights_only=not args.unsafe_pickle)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        else:
+            _print_inspection(info)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``fabric-hsdp``; returns the exit code."""
+    parser = build_parser()
+    config = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = config[config.command]
+    debug = bool(config.debug or args.debug)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fabric-hsdp: %(message)s"))
+    logger = logging.getLogger("fabric_hsdp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if debug else logging.INFO)
+    try:
+        _run(config.command, args)
+    except KeyboardInterrupt:
+        print("fabric-hsdp: interrupted; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        if debug:
+            traceback.print_exc()
+        print(f"fabric-hsdp: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_BAD_INPUT if isinstance(error, _BAD_INPUT) else EXIT_FAILURE
+    finally:
+        logger.removeHandler(handler)
+    return EXIT_OK
