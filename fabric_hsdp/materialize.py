@@ -1,0 +1,77 @@
+"""Meta-device init, and turning a sharded meta model into real local shards.
+
+Under ``empty_init=True`` every *parameter* is moved to the meta device as soon as the module registers it, so
+building a 70B model costs no memory and no init time. Buffers are left alone: they are small, and non-persistent
+ones (RoPE ``inv_freq``, ``cos``/``sin`` caches) are computed in ``__init__`` from values that a meta tensor would
+lose. After sharding, each rank allocates only its local shards on its own device and runs ``reset_parameters()``
+of the modules that owned meta parameters, as Lightning does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from lightning.fabric.utilities import rank_zero_warn
+from torch import nn
+
+_META = torch.device("meta")
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within this context, parameters registered by any module land on the meta device; buffers stay real."""
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            # __init__ usually calls reset_parameters() right after this: on meta it costs nothing.
+            module._parameters[name] = nn.Parameter(param.to(_META), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
+
+
+def materialize_local_shards(module: nn.Module, device: torch.device) -> None:
+    """Allocate the meta parameters' local shards on ``device`` and initialise them with ``reset_parameters()``.
+
+    Real buffers keep their values (``to_empty`` would replace them with uninitialised memory); only modules that
+    owned meta tensors are re-initialised.
+    """
+    if not has_meta_tensors(module):
+        return
+    owners = [sub for sub in module.modules() if has_meta_tensors(sub, recurse=False)]
+    saved_buffers = [
+        (sub, name, buffer)
+        for sub in module.modules()
+        for name, buffer in sub._buffers.items()
+        if buffer is not None and not buffer.is_meta
+    ]
+    # Called on the root so FSDP2 swaps its sharded parameters consistently.
+    module.to_empty(device=device)
+    for sub, name, buffer in saved_buffers:
+        sub._buffers[name] = buffer.to(device)
+    uninitialized = set()
+    for sub in owners:
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialized.add(type(sub).__name__)
+    if uninitialized:
+        rank_zero_warn(
+            "Parameter initialization incomplete: these modules hold parameters or buffers on the meta device but"
+            f" define no reset_parameters(), so their local shards are uninitialised memory: {sorted(uninitialized)}."
+            " Load weights into the model (fabric.load / fabric.load_raw) before training, or build it with"
+            " fabric.init_module(empty_init=False)."
+        )

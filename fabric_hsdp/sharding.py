@@ -1,0 +1,137 @@
+"""Which modules become ``fully_shard`` units, and with what mixed precision, offload and activation checkpointing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities import rank_zero_info
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+ModulePolicy = set[type[nn.Module]] | Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool]
+
+# Fabric precision -> (param_dtype, reduce_dtype) for FSDP2. Mixed precision keeps fp32 master shards and
+# reduces gradients in fp32; "true" half precision already built the parameters in that dtype.
+_PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "16-mixed": (torch.float16, torch.float32),
+    "bf16-true": (None, None),
+    "16-true": (None, None),
+    "32-true": (None, None),
+    "64-true": (None, None),
+}
+
+
+def module_matcher(policy: ModulePolicy | None, argument: str) -> Callable[[str, nn.Module], bool] | None:
+    """Turn a set of module classes, or a ``(name, module) -> bool`` callable, into one predicate."""
+    if policy is None:
+        return None
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    if isinstance(policy, type):
+        policy = {policy}
+    classes = tuple(policy)
+    bad = [cls for cls in classes if not (isinstance(cls, type) and issubclass(cls, nn.Module))]
+    if bad or not classes:
+        raise TypeError(
+            f"HybridFSDPStrategy({argument}=...) takes a set of nn.Module classes (e.g. {{Block}}) or a callable"
+            f" (name, module) -> bool; got {policy!r}."
+        )
+    return lambda name, module: isinstance(module, classes)
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for Fabric's ``precision=`` string."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision not in _PRECISION_DTYPES:
+        raise ValueError(
+            f"HybridFSDPStrategy does not support Fabric(precision={precision!r}). Choose one of:"
+            f" {', '.join(_PRECISION_DTYPES)}."
+        )
+    param_dtype, reduce_dtype = _PRECISION_DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def offload_policy(cpu_offload: bool | OffloadPolicy) -> OffloadPolicy:
+    """``True`` means FSDP2's ``CPUOffloadPolicy()``; a policy object is used as given."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if isinstance(cpu_offload, OffloadPolicy):
+        return cpu_offload
+    return CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+
+
+@dataclass
+class ShardingPlan:
+    """Everything ``shard_model`` needs besides the model and the mesh."""
+
+    sharded_modules: Callable[[str, nn.Module], bool] | None  # None: the layers of the model's nn.ModuleLists
+    activation_checkpointing: Callable[[str, nn.Module], bool] | None = None
+    reshard_after_forward: bool | int | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload_policy: OffloadPolicy | None = None
+
+
+def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[str]:
+    """Apply activation checkpointing, then ``fully_shard`` bottom-up on every matching module, then on the root.
+
+    Activation checkpointing uses the composable API, so parameter names (and thus checkpoints) are unchanged.
+
+    Returns:
+        The names of the modules that became their own FSDP unit (the root not included).
+
+    Raises:
+        ValueError: ``sharded_modules`` matched nothing; the message lists the model's module classes.
+    """
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard
+
+    named = [(name, child) for name, child in module.named_modules() if name]
+    matcher = plan.sharded_modules or _module_list_layers(module)
+    units = [(name, child) for name, child in named if matcher(name, child)]
+    if plan.sharded_modules is None and units:
+        rank_zero_info(f"HybridFSDPStrategy: sharding {len(units)} layers ({_class_names(units)}) one unit each")
+    if not units:
+        what = "sharded_modules=..." if plan.sharded_modules else "sharded_modules=None (layers of nn.ModuleLists)"
+        raise ValueError(
+            f"HybridFSDPStrategy({what}) matched no submodule of {type(module).__name__}, so nothing would be sharded"
+            f" layer by layer. The model contains: {_class_names(named)}. Pass the transformer block class, e.g."
+            " HybridFSDPStrategy(sharded_modules={Block})."
+        )
+    if plan.activation_checkpointing is not None:
+        for name, child in named:
+            if plan.activation_checkpointing(name, child):
+                checkpoint(child)
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
+    if plan.mp_policy is not None:
+        kwargs["mp_policy"] = plan.mp_policy
+    if plan.offload_policy is not None:
+        kwargs["offload_policy"] = plan.offload_policy
+    # Children first: an FSDP unit manages the parameters not already owned by a unit below it.
+    for _, child in reversed(units):
+        fully_shard(child, **kwargs)
+    fully_shard(module, **kwargs)
+    return [name for name, _ in units]
+
+
+def _module_list_layers(module: nn.Module) -> Callable[[str, nn.Module], bool]:
+    layers = {id(child) for sub in module.modules() if isinstance(sub, nn.ModuleList) for child in sub}
+    return lambda name, child: id(child) in layers
+
+
+def _class_names(named: list[tuple[str, nn.Module]]) -> str:
+    return ", ".join(sorted({type(child).__name__ for _, child in named}))
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was already applied to ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)

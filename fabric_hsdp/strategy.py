@@ -1,0 +1,309 @@
+"""``HybridFSDPStrategy``: Lightning Fabric's hooks, each a few lines over the modules that do the work."""
+
+from __future__ import annotations
+
+import atexit
+from contextlib import AbstractContextManager, ExitStack
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities import rank_zero_info
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.materialize import materialize_local_shards, parameters_on_meta
+from fabric_hsdp.sharding import (
+    ModulePolicy,
+    ShardingPlan,
+    is_sharded,
+    mixed_precision_policy,
+    module_matcher,
+    offload_policy,
+    shard_model,
+)
+from fabric_hsdp.teardown import ShardedModuleRegistry
+from fabric_hsdp.topology import ShardSize, Topology, validate_shard_size
+
+
+class HybridFSDPStrategy(ParallelStrategy):
+    """Hybrid sharded data parallel (HSDP) on FSDP2: shard within a node (or group of nodes), replicate across them.
+
+    Every rank is a data-parallel replica. Parameters, gradients and optimizer state are sharded over the ``shard``
+    dim of a named 2-D ``DeviceMesh`` ``(replicate, shard)`` (see ``device_mesh``); the ``replicate`` dim only carries
+    the all-reduce of each shard's gradients, so all-gathers never cross the slow inter-node link.
+
+    Arguments:
+        sharded_modules: The module classes (e.g. ``{Block}``, the transformer layer) that each become one
+            ``fully_shard`` unit, or a callable ``(name, module) -> bool``. Applied bottom-up, then to the root.
+            ``None`` (default, and what ``strategy="hsdp"`` uses) picks the layers of the model's ``nn.ModuleList``
+            containers (litgpt's ``transformer.h``, Hugging Face's ``model.layers``) and logs the classes chosen.
+        shard_size: Ranks that shard one copy of the model: ``"node"`` (default: the devices of one node),
+            ``"world"`` (plain FSDP over all ranks), or a number (e.g. 16 = two 8-GPU nodes, for a model that does not
+            fit in one node). Must divide the world size and cover whole nodes or equal parts of one node.
+        reshard_after_forward: FSDP2's ``reshard_after_forward``: ``True`` frees gathered parameters after forward
+            (least memory), ``False`` keeps them for backward (less communication), an int reshards to that smaller
+            group size. ``None`` lets FSDP2 decide (reshard, except for the root).
+        activation_checkpointing: Module classes (or a ``(name, module) -> bool`` callable) whose activations are
+            recomputed in backward. Uses the composable API, so parameter names stay unchanged.
+        cpu_offload: ``True`` for FSDP2's ``CPUOffloadPolicy()`` (parameters, gradients and optimizer state on CPU), or
+            an ``OffloadPolicy`` instance.
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
+        timeout: Timeout of the collectives.
+        accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
+            normally fills these in.
+
+    Mixed precision follows ``Fabric(precision=...)``: ``"bf16-mixed"`` computes with bf16 parameters and reduces
+    gradients in fp32 over fp32 master shards; ``"16-mixed"`` likewise with fp16; ``"bf16-true"``/``"16-true"`` build
+    the model in half precision; ``"32-true"`` is full precision.
+    """
+
+    def __init__(
+        self,
+        sharded_modules: ModulePolicy | None = None,
+        shard_size: ShardSize = "node",
+        reshard_after_forward: bool | int | None = None,
+        activation_checkpointing: ModulePolicy | None = None,
+        cpu_offload: bool | Any = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
+        self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
+        self._shard_size = validate_shard_size(shard_size)
+        self._reshard_after_forward = reshard_after_forward
+        self._cpu_offload = cpu_offload
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._backward_sync_control = _ParallelBackwardSyncControl()
+        self._topology: Topology | None = None
+        self._device_mesh: Any = None
+        self._sharded = ShardedModuleRegistry()
+
+    @property
+    def device_mesh(self) -> Any:
+        """The named ``DeviceMesh`` with dims ``("replicate", "shard")``; exists once the processes are set up."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks.")
+        return self._device_mesh
+
+    @property
+    def topology(self) -> Topology:
+        """Degrees of the mesh (``shard_size``, ``replicate_size``, nodes, ranks per node) and this rank's place."""
+        if self._topology is None:
+            raise RuntimeError("The topology exists only after fabric.launch() (or `fabric run`) set up the ranks.")
+        return self._topology
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        raise NotImplementedError(f"`{type(self).__name__}` writes checkpoints itself; it has no CheckpointIO plugin.")
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        raise NotImplementedError(f"`{type(self).__name__}` does not support setting a CheckpointIO plugin.")
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank sees its own data: replicas *and* shard peers each compute on a different micro-batch.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
+        self._setup_distributed()
+        self._topology = Topology.resolve(self._shard_size, self.num_nodes, self.num_processes, self.world_size)
+        self._device_mesh = self._topology.build_mesh(self.root_device.type)
+        atexit.register(self._sharded.release_and_destroy)
+        rank_zero_info(f"HybridFSDPStrategy: {self._topology.describe()}")
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        with fail_together("HybridFSDPStrategy.setup_module"):
+            if is_sharded(module):
+                raise ValueError(
+                    f"{type(module).__name__} was already sharded with fully_shard. Pass the plain model to"
+                    " fabric.setup_module(model); HybridFSDPStrategy applies fully_shard itself."
+                )
+            plan = ShardingPlan(
+                sharded_modules=self._sharded_modules,
+                activation_checkpointing=self._activation_checkpointing,
+                reshard_after_forward=self._reshard_after_forward,
+                mp_policy=mixed_precision_policy(self.precision_name),
+                offload_policy=offload_policy(self._cpu_offload),
+            )
+            shard_model(module, self.device_mesh, plan)
+            materialize_local_shards(module, self.root_device)
+        self._sharded.add(module)
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        # fully_shard replaces each parameter with a sharded one: point the optimizers at the new parameters by name.
+        names = {id(param): name for name, param in module.named_parameters()}
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise ValueError(
+                    "The optimizer already has state, which cannot follow the parameters into their shards. Create"
+                    " the optimizer after fabric.setup_module(model), then call fabric.setup_optimizers(optimizer)."
+                )
+        module = self.setup_module(module)
+        sharded_params = dict(module.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [sharded_params[names[id(param)]] for param in group["params"]]
+        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        from torch.distributed.tensor import DTensor
+
+        plain = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
+        if plain:
+            raise ValueError(
+                f"The optimizer holds {len(plain)} parameter(s) that are not sharded (e.g. shape"
+                f" {list(plain[0].shape)}): it was created before fabric.setup_module(model). Create it after:"
+                " `model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))`."
+            )
+        return optimizer
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        pass  # setup_module places the local shards
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(parameters_on_meta())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        total_norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        # The norm over DTensor shards is itself a DTensor (already reduced over all ranks); hand back a plain tensor.
+        return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+
+    @override
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        torch.distributed.broadcast_object_list(objects, src)
+        return objects[0]
+
+    @override
+    def teardown(self) -> None:
+        self._sharded.release_and_destroy()
+        super().teardown()
+
+    @property
+    def precision_name(self) -> str:
+        """Fabric's precision string for this run (``"32-true"`` when no plugin has been set)."""
+        return getattr(self.precision, "precision", "32-true")
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank

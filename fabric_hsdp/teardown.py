@@ -1,0 +1,55 @@
+"""A clean end for every rank: release the sharded modules, then destroy the process group.
+
+On torch 2.13 CPU builds, ranks that ran an FSDP2 forward on gloo were seen to abort at interpreter exit ("terminate
+called without an active exception") when the process group died before the FSDP states that reference it. The
+strategy therefore registers ``release_and_destroy`` with ``atexit``: it drops the FSDP2 state (and with it the
+references to the process groups) from every module it sharded, then destroys the process group while the interpreter
+is still whole. It also runs from ``HybridFSDPStrategy.teardown()``.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch.distributed as dist
+from torch import nn
+
+
+class ShardedModuleRegistry:
+    """Weak references to the modules the strategy sharded, released together at the end."""
+
+    def __init__(self) -> None:
+        self._modules: list[weakref.ReferenceType[nn.Module]] = []
+
+    def add(self, module: nn.Module) -> None:
+        self._modules.append(weakref.ref(module))
+
+    def release_and_destroy(self) -> None:
+        """Detach FSDP2 state from every registered module, then destroy the default process group."""
+        for ref in self._modules:
+            module = ref()
+            if module is not None:
+                _release(module)
+        self._modules.clear()
+        gc.collect()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _release(module: nn.Module) -> None:
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+
+    for submodule in module.modules():
+        submodule.__dict__.pop(STATE_KEY, None)
+        submodule.__dict__.pop(REGISTRY_KEY, None)
+        # FSDP2's hooks are bound methods of its state objects: drop them too, or they keep the state alive.
+        for hooks in (
+            submodule._forward_pre_hooks,
+            submodule._forward_hooks,
+            submodule._forward_pre_hooks_with_kwargs,
+            submodule._forward_hooks_with_kwargs,
+            submodule._backward_pre_hooks,
+            submodule._backward_hooks,
+        ):
+            hooks.clear()

@@ -1,0 +1,185 @@
+"""Scenarios for the strategy core: topology, placements, meta init, training parity, exits and failures."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.scenarios.common import batch, build, copy_full_into, full_state, layer_class, logits_of, make_fabric
+
+
+def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str = "llama") -> dict[str, Any]:
+    """Meta init, then setup: mesh, placements, local shard shapes, devices, buffers and logits vs a CPU build."""
+    fabric = make_fabric(num_nodes, devices, shard_size=shard_size, sharded_modules={layer_class(kind)})
+    reference = build(kind, seed=0)
+    with fabric.init_module(empty_init=True):
+        model = build(kind, seed=123)
+    on_meta_before = all(p.is_meta for p in model.parameters())
+    buffers_real_before = all(not b.is_meta for b in model.buffers())
+    model = fabric.setup_module(model)
+    shards_finite = all(torch.isfinite(p.to_local()).all().item() for p in model.parameters())
+    copy_full_into(model, reference.state_dict())
+    mesh = fabric.strategy.device_mesh
+    params = dict(model.module.named_parameters())
+    reference_buffers = dict(reference.named_buffers())
+    facts = {
+        "mesh_shape": tuple(mesh.shape),
+        "mesh_dim_names": mesh.mesh_dim_names,
+        "coordinates": fabric.strategy.topology.coordinates(fabric.global_rank),
+        "mesh_coordinate": tuple(mesh.get_coordinate()),
+        "on_meta_before": on_meta_before,
+        "buffers_real_before": buffers_real_before,
+        "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
+        "placements": {name: tuple(str(x) for x in p.placements) for name, p in params.items()},
+        "local_shapes": {name: tuple(p.to_local().shape) for name, p in params.items()},
+        "global_shapes": {name: tuple(p.shape) for name, p in params.items()},
+        "devices": {str(p.to_local().device) for p in params.values()},
+        "shards_finite": shards_finite,
+        "buffers_equal": {
+            name: torch.equal(buffer.cpu(), reference_buffers[name]) for name, buffer in model.module.named_buffers()
+        },
+        "sampler": fabric.strategy.distributed_sampler_kwargs,
+    }
+    tokens, _ = batch(2)
+    with torch.no_grad():
+        facts["max_logit_diff"] = (logits_of(model, tokens) - logits_of(reference, tokens)).abs().max().item()
+    return facts
+
+
+def parity(
+    num_nodes: int,
+    devices: int,
+    kind: str = "llama",
+    steps: int = 3,
+    accumulate: int = 1,
+    clip: str | None = None,
+    activation_checkpointing: bool = False,
+    setup_together: bool = False,
+) -> dict[str, Any]:
+    """Train on 1/world of the batch per rank; a single process trains on the full batch; return both."""
+    strategy_kwargs: dict[str, Any] = {"sharded_modules": {layer_class(kind)}}
+    if activation_checkpointing:
+        strategy_kwargs["activation_checkpointing"] = {layer_class(kind)}
+    fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
+    world, rank = fabric.world_size, fabric.global_rank
+    per_rank = 2 * accumulate
+    inputs, targets = batch(per_rank * world)
+
+    reference = build(kind, seed=0)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    reference_losses, reference_norms = [], []
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(logits_of(reference, inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        if clip == "norm":
+            reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5).item())
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(reference.parameters(), clip_value=0.01)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        reference_losses.append(loss.item())
+
+    model = build(kind, seed=0)
+    if setup_together:
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    my_inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
+    my_targets = targets[rank * per_rank : (rank + 1) * per_rank]
+    losses, norms = [], []
+    for _ in range(steps):
+        step_loss = torch.zeros(())
+        for micro in range(accumulate):
+            rows = slice(2 * micro, 2 * micro + 2)
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                logits = logits_of(model, my_inputs[rows])
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), my_targets[rows].flatten())
+                fabric.backward(loss / accumulate)
+            step_loss += loss.detach() / accumulate
+        if clip == "norm":
+            norms.append(fabric.clip_gradients(model, optimizer, max_norm=0.5).item())
+        elif clip == "value":
+            fabric.clip_gradients(model, optimizer, clip_val=0.01)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
+
+    reference_state = {k: v.detach() for k, v in reference.state_dict().items()}
+    state = full_state(model)
+    relative = {
+        name: ((state[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        for name, ref in reference_state.items()
+        if ref.is_floating_point()
+    }
+    return {
+        "losses": losses,
+        "reference_losses": reference_losses,
+        "norms": norms,
+        "reference_norms": reference_norms,
+        "max_relative_param_diff": max(relative.values()),
+    }
+
+
+def mixed_precision(num_nodes: int, devices: int) -> dict[str, Any]:
+    """bf16-mixed: bf16 parameters in compute, fp32 master shards, fp32 gradient reduction, finite loss."""
+    fabric = make_fabric(num_nodes, devices, precision="bf16-mixed", sharded_modules={layer_class("llama")})
+    model = fabric.setup_module(build("llama"))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    compute_dtypes = []
+    linear = model.module.layers[0].attention.wq
+    handle = linear.register_forward_pre_hook(lambda module, args: compute_dtypes.append(module.weight.dtype))
+    inputs, targets = batch(2, seed=fabric.global_rank)
+    losses = []
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    handle.remove()
+    return {
+        "compute_dtypes": [str(d) for d in compute_dtypes],
+        "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "optimizer_state_dtypes": sorted(
+            {str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
+        ),
+        "losses": losses,
+    }
+
+
+def train_and_exit(num_nodes: int, devices: int) -> dict[str, Any]:
+    """A script that does nothing special: train a step and let the interpreter exit."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    with fabric.init_module(empty_init=True):
+        model = build("llama")
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    inputs, targets = batch(2, seed=fabric.global_rank)
+    fabric.backward(torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
+    optimizer.step()
+    with torch.no_grad():
+        model(inputs)
+    return {"rank": fabric.global_rank}
+
+
+def fail_on_one_rank(num_nodes: int, devices: int, failing_rank: int) -> None:
+    """One rank passes a sharding policy that matches nothing; every rank must end with an error, fast."""
+    rank = int(os.environ["NODE_RANK"]) * devices + int(os.environ["LOCAL_RANK"])
+    policy = {torch.nn.GRU} if rank == failing_rank else {layer_class("llama")}
+    fabric = make_fabric(num_nodes, devices, sharded_modules=policy)
+    started = time.monotonic()
+    try:
+        fabric.setup_module(build("llama"))
+    finally:
+        print(f"setup ended after {time.monotonic() - started:.2f}s", flush=True)
+    dist.barrier()  # never reached when setup fails somewhere
+
+
+def bad_shard_size(num_nodes: int, devices: int, shard_size: int) -> None:
+    make_fabric(num_nodes, devices, shard_size=shard_size, sharded_modules={layer_class("llama")})

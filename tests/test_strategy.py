@@ -1,0 +1,85 @@
+"""HybridFSDPStrategy on 2 simulated nodes x 2 CPU ranks (gloo), in real processes."""
+
+import re
+
+import pytest
+
+from tests.helpers.launch import launch
+
+pytestmark = pytest.mark.slow
+
+LAYER_PARAMS = "layers.0.feed_forward.w1.weight"  # [96, 64] in the tiny model
+
+
+@pytest.mark.parametrize("kind", ["llama", "litgpt", "hf"])
+def test_hsdp_mesh_placements_and_meta_init(kind):
+    values = launch("tests.scenarios.core:placements", {"kind": kind}).check().values
+    for rank, facts in enumerate(values):
+        assert facts["mesh_shape"] == (2, 2)
+        assert facts["mesh_dim_names"] == ("replicate", "shard")
+        assert facts["mesh_coordinate"] == facts["coordinates"] == (rank // 2, rank % 2)
+        assert facts["on_meta_before"] and facts["buffers_real_before"]
+        assert facts["all_dtensor"] and facts["shards_finite"]
+        assert set(facts["placements"].values()) == {("R", "S(0)")}
+        for name, shape in facts["global_shapes"].items():
+            assert facts["local_shapes"][name] == (shape[0] // 2, *shape[1:]), name
+        assert facts["devices"] == {"cpu"}
+        # RoPE caches (litgpt cos/sin, HF inv_freq, ours) computed in __init__ survive meta init exactly
+        assert facts["buffers_equal"] and all(facts["buffers_equal"].values()), facts["buffers_equal"]
+        # weights copied in -> logits equal a model built normally
+        assert facts["max_logit_diff"] == 0.0
+        assert facts["sampler"] == {"num_replicas": 4, "rank": rank}
+
+
+@pytest.mark.parametrize("shard_size", [4, "world"])
+def test_full_shard_over_world(shard_size):
+    values = launch("tests.scenarios.core:placements", {"shard_size": shard_size}).check().values
+    for rank, facts in enumerate(values):
+        assert facts["mesh_shape"] == (1, 4)
+        assert facts["mesh_coordinate"] == (0, rank)
+        assert facts["local_shapes"][LAYER_PARAMS] == (24, 64)
+
+
+def test_invalid_shard_size_fails_every_rank_with_the_arithmetic():
+    result = launch("tests.scenarios.core:bad_shard_size", {"shard_size": 3}, timeout=120)
+    assert result.returncodes == [1, 1, 1, 1]
+    for rank in result.ranks:
+        assert "shard_size(3) does not divide WORLD_SIZE(4) = num_nodes(2) * ranks_per_node(2)" in rank.stderr
+        assert "Choose a divisor: [1, 2, 4]" in rank.stderr
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kind": "llama"},
+        {"kind": "llama", "accumulate": 2, "clip": "norm", "activation_checkpointing": True},
+        {"kind": "litgpt", "accumulate": 2, "clip": "norm", "activation_checkpointing": True},
+        {"kind": "hf", "clip": "value", "setup_together": True},
+    ],
+    ids=["llama", "llama-accumulate-clipnorm-ac", "litgpt-accumulate-clipnorm-ac", "hf-clipvalue-setup"],
+)
+def test_training_matches_single_process(options):
+    facts = launch("tests.scenarios.core:parity", options).check().values[0]
+    assert facts["losses"] == pytest.approx(facts["reference_losses"], rel=1e-5)
+    assert facts["norms"] == pytest.approx(facts["reference_norms"], rel=1e-5)
+    assert facts["max_relative_param_diff"] < 1e-5
+
+
+def test_bf16_mixed_computes_in_bf16_over_fp32_shards():
+    for facts in launch("tests.scenarios.core:mixed_precision").check().values:
+        assert facts["compute_dtypes"] == ["torch.bfloat16", "torch.bfloat16"]
+        assert facts["master_dtypes"] == ["torch.float32"]
+        assert facts["optimizer_state_dtypes"] == ["torch.float32"]
+        assert all(0 < loss < 10 for loss in facts["losses"])
+
+
+def test_one_rank_failing_setup_fails_all_ranks_fast():
+    result = launch("tests.scenarios.core:fail_on_one_rank", {"failing_rank": 3}, timeout=120, fail_grace=90)
+    assert not result.timed_out
+    assert result.returncodes == [1, 1, 1, 1]
+    assert "ValueError: HybridFSDPStrategy(sharded_modules=...) matched no submodule of Llama" in result.ranks[3].stderr
+    for rank in result.ranks[:3]:
+        assert "PeerRankError: HybridFSDPStrategy.setup_module failed on rank 3: ValueError" in rank.stderr
+    for rank in result.ranks:
+        seconds = float(re.search(r"setup ended after ([\d.]+)s", rank.stdout).group(1))
+        assert seconds < 10, rank.stdout
