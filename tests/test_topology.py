@@ -40,7 +40,9 @@ def test_group_would_straddle_nodes():
 
 
 def test_group_covers_a_fraction_of_a_node():
-    with pytest.raises(ValueError, match=r"shard_size\(12\) is not a multiple of ranks_per_node\(8\).*\[8, 16, 24, 48\]"):
+    with pytest.raises(
+        ValueError, match=r"shard_size\(12\) is not a multiple of ranks_per_node\(8\).*\[8, 16, 24, 48\]"
+    ):
         Topology.resolve(12, 6, 8, 48)
 
 

@@ -60,7 +60,8 @@ class LaunchResult:
         """Raise with every rank's output unless all ranks exited 0 in time."""
         if self.timed_out or any(code != 0 for code in self.returncodes):
             details = "\n".join(
-                f"--- rank {r.global_rank} exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}" for r in self.ranks
+                f"--- rank {r.global_rank} exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+                for r in self.ranks
             )
             raise AssertionError(f"launch failed (timed_out={self.timed_out}, exits={self.returncodes}):\n{details}")
         return self
