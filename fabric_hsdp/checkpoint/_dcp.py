@@ -124,7 +124,17 @@ class _SingleCopyReader(FileSystemReader):
     def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
         info: _StorageInfo = self.storage_data[item.storage_index]
         # Each chunk is a small torch.save archive; its meta-load gives the layout and where the bytes start.
-        stored = torch.load(_create_file_view(stream, info.offset, info.length), map_location="meta", weights_only=True)
+        size = os.fstat(stream.fileno()).st_size
+        try:
+            if info.offset + info.length > size:
+                raise RuntimeError(f"the file has {size} bytes")
+            view = _create_file_view(stream, info.offset, info.length)
+            stored = torch.load(view, map_location="meta", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+            raise ValueError(
+                f"'{file_name}' is truncated or damaged: tensor {item.storage_index.fqn!r} at bytes"
+                f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
+            ) from None
         start = info.offset + stored.untyped_storage()._checkpoint_offset
         fd = stream.fileno()
         target = planner.resolve_tensor(item).detach()
@@ -294,6 +304,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         if self._written is not None:
             self._written.untyped_storage().resize_(0)
             self._written = None
+            _io.release_freed_memory()
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:

@@ -82,12 +82,12 @@ class TorchFileSource(CheckpointSource):
                 f"'{self._file}' is a truncated or damaged torch file ({_first_line(error)}). Re-copy or re-save it."
             ) from None
         records = reader.get_all_records()
+        if "constants.pkl" in records:
+            raise ValueError(
+                f"'{self._file}' is a TorchScript archive, not a checkpoint: load it with torch.jit.load and"
+                " save its state_dict() with torch.save"
+            )
         if "data.pkl" not in records:
-            if "constants.pkl" in records:
-                raise ValueError(
-                    f"'{self._file}' is a TorchScript archive, not a checkpoint: load it with torch.jit.load and"
-                    " save its state_dict() with torch.save"
-                )
             raise ValueError(f"'{self._file}' is a zip file but not a torch checkpoint (it has no data.pkl)")
         if reader.has_record("byteorder"):
             self._byteswap = reader.get_record("byteorder").decode() != sys.byteorder

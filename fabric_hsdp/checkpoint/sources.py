@@ -34,7 +34,7 @@ import logging
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,6 +255,9 @@ class CheckpointSource(ABC):
 
     def __len__(self) -> int:
         return len(self.keys())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
 
     def __enter__(self) -> CheckpointSource:
         return self

@@ -16,6 +16,7 @@ Outputs appear under their final name only when complete (see :func:`atomic_outp
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fabric_hsdp.checkpoint._io import release_freed_memory
 from fabric_hsdp.checkpoint._safetensors import SAFETENSORS_DTYPES
 from fabric_hsdp.checkpoint.sources import LazyTensor, map_tensors, materialize
 
@@ -103,7 +105,12 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
     staging.mkdir()
     backup = None
     try:
-        yield staging / dest.name
+        try:
+            yield staging / dest.name
+        except OSError as error:
+            if error.filename is None and error.errno is not None:  # e.g. a full disk: say which output it was
+                raise OSError(error.errno, error.strerror, str(dest)) from error
+            raise
         result = staging / dest.name
         if not (result.exists() or result.is_symlink()):
             raise RuntimeError(f"nothing was written for '{dest}'")
@@ -160,12 +167,12 @@ def _tensor_leaves(obj: Any) -> list[tuple[tuple, TensorLike]]:
     return leaves
 
 
-def _write_failed(dest: Path, error: BaseException) -> OSError:
-    """Torch's zip writer reports a full disk as a RuntimeError; make it the OSError it is."""
-    free = shutil.disk_usage(dest.parent).free
-    if free < (1 << 20):
-        return OSError(errno.ENOSPC, f"no space left on the device while writing '{dest}' ({error})")
-    return OSError(errno.EIO, f"writing '{dest}' failed: {error}")
+def _disk_full(dest: Path, error: BaseException) -> OSError | None:
+    """Torch's zip writer reports a full disk as a RuntimeError; return the OSError it really is, if it is one."""
+    stats = os.statvfs(dest.parent)
+    if stats.f_bfree * stats.f_frsize < (16 << 20):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dest))
+    return None
 
 
 def write_torch_file(
@@ -219,11 +226,18 @@ def write_torch_file(
                 tensor, _ = _materialize(".".join(str(part) for part in path), leaf)
                 writer.write_record(f"data/{i}", tensor.untyped_storage(), tensor.nbytes)
                 del tensor
+                release_freed_memory()
                 if on_tensor is not None:
                     on_tensor(_nbytes(leaf))
             writer.write_end_of_file()
-        except RuntimeError as error:
-            raise _write_failed(dest, error) from None
+        except BaseException as error:
+            # Finalise explicitly: the writer's destructor would retry, fail again and abort the process.
+            with contextlib.suppress(RuntimeError):
+                writer.write_end_of_file()
+            full = _disk_full(dest, error) if isinstance(error, RuntimeError) else None
+            if full is not None:
+                raise full from None
+            raise
         finally:
             del writer
     return dest
@@ -259,6 +273,7 @@ def _write_safetensors_file(path: Path, entries: list, metadata: Mapping[str, st
             tensor, _ = _materialize(name, value)
             stream.write(_bytes_of(tensor))
             del tensor
+            release_freed_memory()
             if on_tensor is not None:
                 on_tensor(_nbytes(value))
 
@@ -366,7 +381,13 @@ def write_dcp(
             meta[key] = value
     with atomic_output(dest, overwrite) as tmp:
         tmp.mkdir()
-        save_streaming(state, tmp, on_tensor)
+        try:
+            save_streaming(state, tmp, on_tensor)
+        except RuntimeError as error:
+            full = _disk_full(Path(dest), error)
+            if full is not None:
+                raise full from None
+            raise
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.save(materialize(meta), tmp / "meta.pt")

@@ -1,0 +1,174 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fabric_hsdp.cli import main
+
+
+def tree(directory: Path) -> list[str]:
+    return sorted(str(path.relative_to(directory)) for path in directory.rglob("*"))
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    torch.save({"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3)}, "step": 5}, tmp_path / "in.ckpt")
+    return tmp_path / "in.ckpt"
+
+
+def run(capsys, *args):
+    code = main([str(arg) for arg in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_convert_and_inspect(tmp_path, checkpoint, capsys):
+    code, out, err = run(capsys, "convert", checkpoint, tmp_path / "out", "--dtype", "bf16")
+    assert code == 0
+    assert out == ""
+    assert err.startswith("fabric-hsdp: converted 2 tensors (30 B) with optimizer/extras from fabric to dcp in ")
+    assert err.count("\n") == 1
+    code, out, _ = run(capsys, "inspect", tmp_path / "out", "--json")
+    info = json.loads(out)
+    assert (code, info["format"], info["tensors"], info["dtypes"]) == (0, "dcp", 2, {"bfloat16": 2})
+    assert info["extras"] == {"step": {"tensors": 0, "bytes": 0}}
+    code, out, _ = run(capsys, "inspect", checkpoint)
+    assert code == 0
+    assert out.splitlines()[:3] == [
+        f"{checkpoint}: fabric",
+        "  tensors: 2  parameters: 15  size: 60 B",
+        "  dtypes: float32 x2",
+    ]
+
+
+def test_config_file(tmp_path, checkpoint, capsys):
+    config = tmp_path / "convert.yaml"
+    config.write_text(f"source: {checkpoint}\ndest: {tmp_path / 'out.safetensors'}\nkey_map: ['w=weight']\n")
+    code, _, err = run(capsys, "convert", "--config", config)
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(tmp_path / "out.safetensors")) == ["b", "weight"]
+
+
+def _write_random(path):
+    path.write_bytes(os.urandom(4096))
+
+
+def _write_truncated_zip(path):
+    torch.save({"w": torch.ones(4096)}, path)
+    path.write_bytes(path.read_bytes()[:5000])
+
+
+def _write_truncated_safetensors(path):
+    save_file({"w": torch.ones(4096)}, path)
+    path.write_bytes(path.read_bytes()[:5000])
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "message"),
+    [
+        (None, "missing.pth", "checkpoint '{path}' does not exist"),
+        (_write_random, "random.pth", "'{path}' is not a checkpoint (unrecognised content). Accepted: a torch file"),
+        (_write_truncated_zip, "cut.pth", "'{path}' is a truncated or damaged torch file (PytorchStreamReader failed"),
+        (_write_truncated_safetensors, "cut.safetensors", "'{path}' is truncated: tensor 'w' ends at byte"),
+        (lambda path: path.mkdir(), "emptydir", "directory '{path}' is not a checkpoint (it holds nothing)."),
+    ],
+    ids=["missing", "random-bytes", "truncated-zip", "truncated-safetensors", "empty-directory"],
+)
+@pytest.mark.parametrize("dest_name", ["out", "out.pth", "out.safetensors"])
+def test_bad_input_exits_2_with_one_line_and_no_output(tmp_path, capsys, make, name, message, dest_name):
+    path = tmp_path / name
+    if make is not None:
+        make(path)
+    before = tree(tmp_path)
+    code, out, err = run(capsys, "convert", path, tmp_path / dest_name)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("fabric-hsdp: error: " + message.format(path=path))
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert tree(tmp_path) == before
+
+
+def test_existing_dest_is_never_touched_without_overwrite(tmp_path, checkpoint, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("keep me")
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "out")
+    assert code == 2
+    assert err == (
+        f"fabric-hsdp: error: '{tmp_path / 'out'}' already exists; pass overwrite=True (CLI: --overwrite) to"
+        " replace it\n"
+    )
+    assert tree(tmp_path / "out") == ["precious.txt"]
+    code, _, _ = run(capsys, "convert", checkpoint, tmp_path / "out", "--overwrite")
+    assert code == 0
+    assert sorted(tree(tmp_path / "out")) == [".metadata", "__0_0.distcp", "meta.pt"]
+
+
+def test_bad_arguments_exit_2(tmp_path, checkpoint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(checkpoint), str(tmp_path / "o"), "--to", "zip"])
+    assert exit_info.value.code == 2
+    assert "error: argument --to: invalid choice: 'zip'" in capsys.readouterr().err
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--key_map", "nonsense")
+    assert (code, err) == (
+        2,
+        "fabric-hsdp: error: key_map rule 'nonsense' is not 'OLD=NEW' (rename a prefix), 'OLD='"
+        " (strip it) or '!OLD' (drop keys)\n",
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    code, _, err = run(capsys, "--debug", "inspect", tmp_path / "nothing.pth")
+    assert code == 2
+    assert "Traceback (most recent call last)" in err
+    assert err.endswith(f"fabric-hsdp: error: checkpoint '{tmp_path / 'nothing.pth'}' does not exist\n")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs to fill ({result.stderr.decode().strip() or 'mount failed'})")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+@pytest.mark.parametrize("dest_name", ["out", "out.pth", "out.safetensors", "hf"])
+def test_disk_full_exits_1_and_leaves_nothing(tmp_path, tiny_disk, capsys, dest_name):
+    torch.save({"a": torch.ones(1 << 19), "b": torch.ones(10)}, tmp_path / "2mib.pth")
+    extra = ["--to", "safetensors"] if dest_name == "hf" else []
+    code, _, err = run(capsys, "convert", tmp_path / "2mib.pth", tiny_disk / dest_name, *extra)
+    assert code == 1
+    assert err == f"fabric-hsdp: error: No space left on device: '{tiny_disk / dest_name}'\n"
+    assert tree(tiny_disk) == []
+
+
+def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path):
+    torch.save({f"w{i}": torch.ones(8 << 20) for i in range(8)}, tmp_path / "big.pth")  # 256 MiB
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fabric_hsdp", "convert", str(tmp_path / "big.pth"), str(tmp_path / "out")],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert process.poll() is None, f"the conversion ended before it could be interrupted: {process.stderr.read()}"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert err.splitlines()[-1] == "fabric-hsdp: interrupted; nothing was written"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["big.pth"]
