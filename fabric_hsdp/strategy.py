@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -15,7 +17,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities import rank_zero_info
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _distributed_is_initialized,
@@ -23,8 +25,10 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
@@ -32,6 +36,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.keys import KeyMapSpec
+from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
+from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_full, save_sharded, split_state
 from fabric_hsdp.materialize import materialize_local_shards, parameters_on_meta
 from fabric_hsdp.sharding import (
     ModulePolicy,
@@ -44,6 +51,12 @@ from fabric_hsdp.sharding import (
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry
 from fabric_hsdp.topology import ShardSize, Topology, validate_shard_size
+
+
+def _validate_state_dict_type(state_dict_type: str) -> str:
+    if state_dict_type not in ("sharded", "full"):
+        raise ValueError(f"state_dict_type={state_dict_type!r} must be 'sharded' (DCP directory) or 'full' (one file).")
+    return state_dict_type
 
 
 class HybridFSDPStrategy(ParallelStrategy):
@@ -68,6 +81,16 @@ class HybridFSDPStrategy(ParallelStrategy):
             recomputed in backward. Uses the composable API, so parameter names stay unchanged.
         cpu_offload: ``True`` for FSDP2's ``CPUOffloadPolicy()`` (parameters, gradients and optimizer state on CPU), or
             an ``OffloadPolicy`` instance.
+        state_dict_type: What ``fabric.save`` writes: ``"sharded"`` (default), a DCP directory written by every rank in
+            parallel, each replicated shard once; or ``"full"``, one consolidated file written by rank 0 gathering one
+            tensor at a time (``.pth`` in Fabric's layout, or ``.safetensors`` for the model alone). A path ending in
+            ``.safetensors`` is always saved full.
+        load_mode: How ``fabric.load``/``fabric.load_raw`` read a consolidated file (a raw state dict, a Fabric full
+            checkpoint, safetensors, a Hugging Face directory): ``"slice"`` (default: every rank reads only its own
+            shard's elements), ``"turns"`` (the local ranks of a node read one after another, ``load_turn_size`` at a
+            time; for files that cannot be memory-mapped) or ``"rank0"`` (only rank 0 reads, tensors are sent out one
+            at a time; for a file on one machine only). Override per call with ``strategy.load_raw(...)``.
+        load_turn_size: Ranks per node that read at once in ``load_mode="turns"``.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
@@ -85,6 +108,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: ModulePolicy | None = None,
         cpu_offload: bool | Any = False,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        load_mode: LoadMode = "slice",
+        load_turn_size: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Accelerator | None = None,
@@ -103,6 +129,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._shard_size = validate_shard_size(shard_size)
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
+        self._state_dict_type = _validate_state_dict_type(state_dict_type)
+        self._load_mode = validate_load_mode(load_mode)
+        self._load_turn_size = load_turn_size
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -279,6 +308,107 @@ class HybridFSDPStrategy(ParallelStrategy):
         objects = [obj]
         torch.distributed.broadcast_object_list(objects, src)
         return objects[0]
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save model, optimizer(s) and plain values: a sharded DCP directory, or one full file (``state_dict_type``).
+
+        The checkpoint appears at ``path`` only once complete; a previous checkpoint there is replaced atomically.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint() takes no storage_options: it writes DCP itself.")
+        if filter is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not support `filter=` when saving.")
+        path = Path(self.broadcast(Path(path).absolute()))
+        if self._state_dict_type == "full" or path.suffix == ".safetensors":
+            save_full(path, state)
+        else:
+            save_sharded(path, state, self.broadcast)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from a sharded checkpoint or any consolidated format; return what is left.
+
+        A DCP directory holding ``state``'s model key loads with resharding onto this topology. Anything else (a raw
+        state dict, a Fabric full checkpoint, safetensors, a Hugging Face directory, a flat DCP directory) fills the
+        shards per ``load_mode``; a Fabric full checkpoint also restores the optimizers and plain values.
+        """
+        if not state:
+            raise ValueError(
+                f"{type(self).__name__}.load_checkpoint needs the objects to restore, e.g."
+                " fabric.load(path, {'model': model, 'optimizer': optimizer}) or fabric.load_raw(path, model)."
+            )
+        path = Path(self.broadcast(Path(path).absolute()))
+        if isinstance(state, Module):
+            self.load_raw(path, state, strict=strict, weights_only=weights_only is not False)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
+            )
+        model_key, model, optimizers, plain = split_state(state)
+        if is_sharded_checkpoint(path, model_key):
+            return load_sharded(path, state, strict=strict, weights_only=weights_only)
+        self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
+        requested, remainder = restore_extras(
+            path, model, optimizers, set(plain), strict=strict, weights_only=weights_only is not False
+        )
+        _move_state_into(source=requested, destination=state, keys=set(requested))
+        return remainder
+
+    def load_raw(
+        self,
+        path: _PATH,
+        module: Module,
+        strict: bool = True,
+        *,
+        key_map: KeyMapSpec = None,
+        load_mode: LoadMode | None = None,
+        weights_only: bool = True,
+    ) -> LoadResult:
+        """Fill ``module``'s shards from a consolidated checkpoint without a full copy per rank.
+
+        Args:
+            path: A raw state dict (``.pth``/``.pt``/``.bin``), a Fabric full checkpoint, a ``.safetensors`` file, a
+                Hugging Face directory, or a DCP directory.
+            module: The model after ``fabric.setup_module``.
+            strict: Raise one error listing missing, unexpected and mis-shaped tensors; ``False`` loads what
+                matches and logs the rest (also returned).
+            key_map: Renames checkpoint keys: a callable ``str -> str | None`` or prefix rules ``{"old.": "new."}``.
+                Wrappers (``module.``, ``_orig_mod.``, ``model.``) are stripped automatically when unambiguous.
+            load_mode: Overrides the strategy's ``load_mode`` for this call.
+            weights_only: Unpickle with torch's safe loader; ``False`` only for trusted files.
+        """
+        path = Path(path)
+        result = load_into_model(
+            path,
+            getattr(module, "module", module),
+            strict=strict,
+            key_map=key_map,
+            load_mode=validate_load_mode(load_mode or self._load_mode),
+            turn_size=self._load_turn_size,
+            weights_only=weights_only,
+            local_rank=self.local_rank,
+            ranks_per_node=self.num_processes,
+        )
+        if not strict and (result.missing or result.unexpected):
+            rank_zero_warn(
+                f"Loaded {len(result.loaded)} tensors from '{path}'; {len(result.missing)} missing in the checkpoint"
+                f" (e.g. {result.missing[:3]}), {len(result.unexpected)} unused (e.g. {result.unexpected[:3]})."
+            )
+        return result
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,287 @@
+"""Fill a sharded model from any checkpoint source without a full copy per rank.
+
+Load modes:
+
+* ``"slice"`` (default): every rank opens the file lazily and reads only the elements of its own local shard of each
+  tensor, straight into the shard, cast to the parameter's dtype. No collective traffic; the ranks of a node share the
+  file's pages through the page cache.
+* ``"turns"``: the local ranks of each node take turns, ``turn_size`` at a time; each opens the file, fills its shards
+  and closes it before the next starts. For files that cannot be memory-mapped (legacy pickles, some network
+  filesystems): peak memory is ``turn_size`` readers' worth per node.
+* ``"rank0"``: only global rank 0 opens the file; each tensor goes out on its own and every rank keeps its shard
+  (``distribute_tensor`` from rank 0). For a file that exists on one machine only.
+
+Tensors are read to CPU and only then copied to the rank's own device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch import nn
+
+from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
+from fabric_hsdp.checkpoint.sources import CheckpointSource, TensorInfo, open_checkpoint
+
+_logger = logging.getLogger("fabric_hsdp")
+
+LoadMode = Literal["slice", "turns", "rank0"]
+LOAD_MODES = ("slice", "turns", "rank0")
+
+
+@dataclass
+class LoadResult:
+    """What a raw load did: keys loaded, and (with ``strict=False``) what did not match."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+
+def validate_load_mode(load_mode: str) -> str:
+    if load_mode not in LOAD_MODES:
+        raise ValueError(f"load_mode={load_mode!r} is not one of {LOAD_MODES}; see the loading guide for which to use.")
+    return load_mode
+
+
+def local_box(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The global index range this rank's local shard of ``tensor`` covers (the whole tensor if not a DTensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, size) for size in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def plan_keys(
+    source: CheckpointSource, targets: dict[str, torch.Tensor], key_map: KeyMapSpec, strict: bool
+) -> tuple[KeyMatch, list[str]]:
+    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``."""
+    source_keys = source.keys()
+    match = match_keys(source_keys, targets, key_map)
+    model_infos = {name: TensorInfo(name, t.shape, t.dtype) for name, t in targets.items()}
+    source_infos = {key: source.tensor_info(key) for key in source_keys}
+    mismatched = [
+        model_key
+        for model_key, source_key in match.mapping.items()
+        if tuple(source_infos[source_key].shape) != tuple(targets[model_key].shape)
+    ]
+    if strict:
+        message = format_key_errors(match, model_infos, source_infos, source_name=str(source.path))
+        if message:
+            raise ValueError(message)
+    elif mismatched:
+        message = format_key_errors(
+            KeyMatch({k: match.mapping[k] for k in mismatched}, [], []),
+            model_infos,
+            source_infos,
+            source_name=str(source.path),
+            hint="strict=False: these are skipped.",
+        )
+        _logger.warning("fabric_hsdp: %s", message)
+    return match, mismatched
+
+
+def load_into_model(
+    path: Path,
+    module: nn.Module,
+    *,
+    strict: bool = True,
+    key_map: KeyMapSpec = None,
+    load_mode: str = "slice",
+    turn_size: int = 1,
+    weights_only: bool = True,
+    local_rank: int = 0,
+    ranks_per_node: int = 1,
+) -> LoadResult:
+    """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring)."""
+    validate_load_mode(load_mode)
+    targets = module.state_dict()
+    result = LoadResult()
+    if load_mode == "rank0":
+        _load_from_rank0(path, targets, result, strict, key_map, weights_only)
+    elif load_mode == "turns":
+        turns = -(-ranks_per_node // max(1, turn_size))
+        for turn in range(turns):
+            with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
+                if local_rank // max(1, turn_size) == turn:
+                    _load_slices(path, targets, result, strict, key_map, weights_only)
+    else:
+        with fail_together(f"loading '{path}'"):
+            _load_slices(path, targets, result, strict, key_map, weights_only)
+    return result
+
+
+def _progress(source: CheckpointSource, names: list[str], what: str) -> Any:
+    from tqdm.auto import tqdm
+
+    total = sum(source.tensor_info(name).nbytes for name in names)
+    return tqdm(
+        total=total, unit="B", unit_scale=True, desc=what, disable=rank_zero_only.rank != 0 or total < 256 * 2**20
+    )
+
+
+def _load_slices(
+    path: Path,
+    targets: dict[str, torch.Tensor],
+    result: LoadResult,
+    strict: bool,
+    key_map: KeyMapSpec,
+    weights_only: bool,
+) -> None:
+    with open_checkpoint(path, weights_only=weights_only) as source:
+        match, mismatched = plan_keys(source, targets, key_map, strict)
+        names = [k for k in match.mapping if k not in mismatched]
+        with _progress(source, [match.mapping[k] for k in names], f"loading {path.name}") as bar, torch.no_grad():
+            for model_key in names:
+                target = targets[model_key]
+                box = local_box(target)
+                local = _local(target)
+                if local.numel():
+                    piece = source.read_slice(match.mapping[model_key], box)
+                    local.copy_(piece.view(local.shape))
+                bar.update(source.tensor_info(match.mapping[model_key]).nbytes)
+        result.loaded, result.missing, result.unexpected, result.mismatched = (
+            names,
+            match.missing,
+            match.unexpected,
+            mismatched,
+        )
+
+
+def _load_from_rank0(
+    path: Path,
+    targets: dict[str, torch.Tensor],
+    result: LoadResult,
+    strict: bool,
+    key_map: KeyMapSpec,
+    weights_only: bool,
+) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    rank = dist.get_rank()
+    source: CheckpointSource | None = None
+    plan: list[Any] = [None]
+    with fail_together(f"opening '{path}' on rank 0"):
+        if rank == 0:
+            source = open_checkpoint(path, weights_only=weights_only)
+            match, mismatched = plan_keys(source, targets, key_map, strict)
+            plan = [(match, mismatched)]
+    dist.broadcast_object_list(plan, src=0)
+    match, mismatched = plan[0]
+    names = [k for k in match.mapping if k not in mismatched]
+    try:
+        with torch.no_grad():
+            for model_key in names:
+                target = targets[model_key]
+                if rank == 0:
+                    full = source.read(match.mapping[model_key]).to(device=_local(target).device, dtype=target.dtype)
+                else:
+                    full = torch.empty(target.shape, dtype=target.dtype, device=_local(target).device)
+                if isinstance(target, DTensor):
+                    shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=0)
+                    target.to_local().copy_(shard.to_local())
+                else:
+                    dist.broadcast(full, src=0)
+                    target.copy_(full)
+                del full
+    finally:
+        if source is not None:
+            source.close()
+    result.loaded, result.missing, result.unexpected, result.mismatched = (
+        names,
+        match.missing,
+        match.unexpected,
+        mismatched,
+    )
+
+
+def load_optimizer_from_extras(
+    module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], name: str
+) -> None:
+    """Restore a full (consolidated) optimizer state into the sharded optimizer, one tensor at a time.
+
+    ``saved`` is the optimizer entry of a wrapped checkpoint (keyed by parameter name, as Fabric saves it, or by
+    index, as ``optimizer.state_dict()`` is); its tensors may be lazy.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from fabric_hsdp.checkpoint.sources import LazyTensor
+
+    current = get_optimizer_state_dict(module, optimizer)  # initialises the state, sharded like the parameters
+    by_name = _state_by_name(saved, current, name)
+    with torch.no_grad():
+        for fqn, entries in current["state"].items():
+            if fqn not in by_name:
+                raise ValueError(f"optimizer entry {name!r} of the checkpoint has no state for parameter {fqn!r}")
+            for key, target in entries.items():
+                value = by_name[fqn][key]
+                value = value.materialize() if isinstance(value, LazyTensor) else value
+                if not isinstance(target, torch.Tensor):
+                    entries[key] = value
+                    continue
+                box = local_box(target)
+                local = _local(target)
+                piece = value[box] if value.dim() else value
+                local.copy_(piece.view(local.shape))
+    current["param_groups"] = [
+        {**saved_group, "params": group["params"]}
+        for saved_group, group in zip(saved["param_groups"], current["param_groups"])
+    ]
+    set_optimizer_state_dict(module, optimizer, current)
+
+
+def _state_by_name(saved: dict[str, Any], current: dict[str, Any], name: str) -> dict[str, Any]:
+    state = saved.get("state", {})
+    if all(isinstance(key, str) for key in state):
+        return state
+    # A plain optimizer.state_dict(): parameters are numbered in param_groups order, like ours.
+    names = [fqn for group in current["param_groups"] for fqn in group["params"]]
+    numbers = [number for group in saved["param_groups"] for number in group["params"]]
+    if len(names) != len(numbers):
+        raise ValueError(
+            f"optimizer entry {name!r} of the checkpoint has {len(numbers)} parameters, the optimizer {len(names)}"
+        )
+    return {fqn: state[number] for fqn, number in zip(names, numbers) if number in state}
+
+
+def restore_extras(
+    path: Path,
+    module: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    plain_keys: set[str],
+    strict: bool,
+    weights_only: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore optimizers from a wrapped full checkpoint and return ``(requested plain values, the rest)``.
+
+    Every rank reads the optimizer tensors it needs one at a time (a full tensor, then its own slice of it).
+    """
+    from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+
+    from fabric_hsdp.checkpoint.sources import materialize
+
+    with open_checkpoint(path, weights_only=weights_only) as source:
+        extras = source.extras(lazy=True)
+        _validate_keys_for_strict_loading(set(optimizers) | plain_keys, extras.keys(), strict=strict)
+        for key, optimizer in optimizers.items():
+            if key in extras:
+                load_optimizer_from_extras(module, optimizer, extras.pop(key), key)
+        requested = {key: materialize(extras.pop(key)) for key in plain_keys if key in extras}
+        return requested, materialize(extras)

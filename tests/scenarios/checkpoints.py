@@ -1,0 +1,198 @@
+"""Scenarios for sharded and full checkpoints: save, resharded load, interop, kills and failures."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.scenarios.common import batch, build, full_state, layer_class, make_fabric
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """The optimizer state of every parameter as full plain tensors, keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return {
+        fqn: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+        for fqn, entries in state["state"].items()
+    }
+
+
+def _setup(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int = 0) -> tuple[Any, Any, Any]:
+    with fabric.init_module(empty_init=empty_init):
+        model = build(kind, seed=seed)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def _train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
+    inputs, targets = batch(2 * fabric.world_size, seed=7)
+    rows = slice(2 * fabric.global_rank, 2 * fabric.global_rank + 2)
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(inputs[rows]).flatten(0, 1), targets[rows].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+def save(
+    num_nodes: int,
+    devices: int,
+    out: str,
+    state_dict_type: str = "sharded",
+    name: str = "ckpt",
+    model_only: bool = False,
+) -> dict:
+    """Train 2 steps, save, and record the exact expected state (rank 0 writes expected.pt)."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, state_dict_type=state_dict_type)
+    model, optimizer, scheduler = _setup(fabric, empty_init=False)
+    _train(fabric, model, optimizer, scheduler, steps=2)
+    expected = {
+        "model": full_state(model.module),
+        "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
+        "scheduler": scheduler.state_dict(),
+    }
+    path = Path(out) / name
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "hi"}
+    fabric.save(path, {"model": model} if model_only else state)
+    if fabric.global_rank == 0:
+        torch.save(expected, Path(out) / "expected.pt")
+    hidden = sorted(p.name for p in Path(out).iterdir() if p.name.startswith("."))
+    return {"exists": path.exists(), "hidden_leftovers": hidden}
+
+
+def load(num_nodes: int, devices: int, out: str, name: str = "ckpt", shard_size: Any = "node", **kw: Any) -> dict:
+    """Load into a meta-initialised model on this topology and compare with expected.pt exactly."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, shard_size=shard_size)
+    model, optimizer, scheduler = _setup(fabric, empty_init=True, seed=99)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    remainder = fabric.load(Path(out) / name, state, **kw)
+    expected = torch.load(Path(out) / "expected.pt", weights_only=False)
+    actual_model = full_state(model.module)
+    actual_optimizer = full_optimizer_state(model.module, optimizer.optimizer)
+    model_equal = {k: torch.equal(actual_model[k], v) for k, v in expected["model"].items()}
+    optimizer_equal = {
+        f"{fqn}.{key}": (torch.equal(value, actual_optimizer[fqn][key]) if isinstance(value, torch.Tensor) else None)
+        for fqn, entries in expected["optimizer"].items()
+        for key, value in entries.items()
+    }
+    return {
+        "model_equal": model_equal,
+        "optimizer_equal": optimizer_equal,
+        "optimizer_keys": sorted({key for entries in actual_optimizer.values() for key in entries}),
+        "step": state["step"],
+        "scheduler_equal": scheduler.state_dict() == expected["scheduler"],
+        "lr": optimizer.param_groups[0]["lr"],
+        "expected_lr": expected["scheduler"]["_last_lr"][0],
+        "remainder": remainder,
+    }
+
+
+def save_with_lightning(num_nodes: int, devices: int, out: str) -> dict:
+    """Lightning's own ModelParallelStrategy writes a DCP checkpoint of the same model (FSDP2 over all ranks)."""
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(model, mesh=mesh["data_parallel"])
+        return model
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=num_nodes * devices, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy)
+    fabric.launch()
+    model, optimizer, scheduler = _setup(fabric, empty_init=False)
+    _train(fabric, model, optimizer, scheduler, steps=2)
+    expected = {
+        "model": full_state(model.module),
+        "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
+        "scheduler": scheduler.state_dict(),
+    }
+    fabric.save(Path(out) / "ckpt", {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2})
+    if fabric.global_rank == 0:
+        torch.save(expected, Path(out) / "expected.pt")
+    return {}
+
+
+def save_then_killed(num_nodes: int, devices: int, out: str, seed: int) -> dict:
+    """Save A, train, then save B over it while a random rank SIGKILLs itself at a random moment of that save."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    model, optimizer, scheduler = _setup(fabric, empty_init=False)
+    path = Path(out) / "ckpt"
+    state = {"model": model, "optimizer": optimizer, "step": 1}
+    _train(fabric, model, optimizer, scheduler, steps=1)
+    started = time.monotonic()
+    fabric.save(path, state)
+    seconds = time.monotonic() - started
+    expected_a = full_state(model.module)  # gathers are collectives: every rank takes part
+    _train(fabric, model, optimizer, scheduler, steps=1)
+    state["step"] = 2
+    expected_b = full_state(model.module)
+    if fabric.global_rank == 0:
+        torch.save(expected_a, Path(out) / "expected_a.pt")
+        torch.save(expected_b, Path(out) / "expected_b.pt")
+    fabric.barrier()
+    chooser = random.Random(seed)
+    victim, delay = chooser.randrange(fabric.world_size), chooser.uniform(0, 1.3 * seconds)
+    if fabric.global_rank == victim:
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    fabric.save(path, state)
+    fabric.barrier()
+    if fabric.global_rank == victim:
+        time.sleep(delay + 1)  # the kill is still due: die as promised
+    return {"victim": victim, "delay": delay, "save_seconds": seconds}
+
+
+def fail_writing_on_one_rank(num_nodes: int, devices: int, out: str, failing_rank: int) -> dict:
+    """Save once; then one rank's disk refuses writes (permission denied) during the next save."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    model, optimizer, scheduler = _setup(fabric, empty_init=False)
+    path = Path(out) / "ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    expected = full_state(model.module)
+    if fabric.global_rank == 0:
+        torch.save(expected, Path(out) / "expected.pt")
+    _train(fabric, model, optimizer, scheduler, steps=1)
+    if fabric.global_rank == failing_rank:
+
+        def refuse(self: Any, plan: Any, planner: Any) -> Any:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self.path))
+
+        filesystem.FileSystemWriter.write_data = refuse
+    started = time.monotonic()
+    try:
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def load_raw_state(num_nodes: int, devices: int, out: str, name: str) -> dict:
+    """Load a checkpoint holding only model weights; compare to expected.pt's model entry."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    with fabric.init_module(empty_init=True):
+        model = build("llama", seed=5)
+    model = fabric.setup_module(model)
+    fabric.load_raw(Path(out) / name, model)
+    expected = torch.load(Path(out) / "expected.pt", weights_only=False)["model"]
+    actual = full_state(model.module)
+    dist.barrier()
+    return {"model_equal": {k: torch.equal(actual[k], v) for k, v in expected.items()}}
