@@ -1,0 +1,72 @@
+"""Scenarios for loading consolidated checkpoints (raw, safetensors, HF, DCP) into a meta-initialised HSDP model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.scenarios.common import SEQ, VOCAB, build, layer_class, logits_of, make_fabric
+
+TOKENS = torch.arange(2 * SEQ).remainder(VOCAB).view(2, SEQ)
+
+
+def reference_logits(kind: str, reference: str, dtype: str = "float32") -> torch.Tensor:
+    model = build(kind, seed=0)
+    model.load_state_dict(torch.load(reference, weights_only=True))
+    model = model.to(getattr(torch, dtype))
+    with torch.no_grad():
+        return logits_of(model, TOKENS).float()
+
+
+def load_cases(num_nodes: int, devices: int, kind: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each case: meta-init the model, set it up, load the file raw, compare logits with a normal CPU build."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)})
+    results = []
+    for case in cases:
+        with fabric.init_module(empty_init=True):
+            model = build(kind, seed=123)
+        model = model.to(getattr(torch, case.get("model_dtype", "float32")))
+        model = fabric.setup_module(model)
+        outcome: dict[str, Any] = {"file": Path(case["file"]).name}
+        path = case["file"]
+        if case.get("missing_on_rank") == fabric.global_rank:
+            path = str(Path(path).with_name("does-not-exist.pth"))
+        try:
+            result = fabric.strategy.load_raw(
+                path,
+                model,
+                strict=case.get("strict", True),
+                load_mode=case.get("mode"),
+                key_map=case.get("key_map"),
+            )
+        except Exception as error:
+            outcome["error"] = f"{type(error).__name__}: {error}"
+            results.append(outcome)
+            continue
+        with torch.no_grad():
+            logits = logits_of(model, TOKENS).float()
+        expected = reference_logits(kind, case["reference"], case.get("model_dtype", "float32"))
+        outcome.update(
+            max_logit_diff=(logits - expected).abs().max().item(),
+            missing=result.missing,
+            unexpected=result.unexpected,
+            loaded=len(result.loaded),
+            param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        )
+        results.append(outcome)
+    return results
+
+
+def fabric_load_raw_state_dict(num_nodes: int, devices: int, file: str, reference: str) -> dict[str, Any]:
+    """The user's call from the report: fabric.load(path, {"model": model}) on a flat converted state dict."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    with fabric.init_module(empty_init=True):
+        model = build("llama", seed=123)
+    model = fabric.setup_module(model)
+    remainder = fabric.load(file, {"model": model})
+    with torch.no_grad():
+        logits = logits_of(model, TOKENS).float()
+    difference = (logits - reference_logits("llama", reference)).abs().max().item()
+    return {"remainder": remainder, "max_logit_diff": difference}

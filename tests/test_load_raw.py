@@ -1,0 +1,168 @@
+"""Consolidated checkpoints load into a meta-initialised HSDP model on 2 simulated nodes x 2 ranks."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers.launch import launch
+from tests.scenarios.common import build, hf_config, litgpt_config
+
+pytestmark = pytest.mark.slow
+
+
+def _cases(launched):
+    values = launched.check().values
+    assert all(len(v) == len(values[0]) for v in values)
+    return values
+
+
+@pytest.fixture(scope="module")
+def llama_files(tmp_path_factory):
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    from fabric_hsdp.checkpoint import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("llama")
+    state = build("llama", seed=0).state_dict()
+    torch.save(state, root / "lit-llama.pth")
+    save_file(state, root / "model.safetensors")
+    bf16 = {k: v.bfloat16() for k, v in state.items()}
+    torch.save(bf16, root / "bf16.pth")
+    torch.save({k: v.float() for k, v in bf16.items()}, root / "bf16_as_fp32.pth")
+    torch.save({f"module.{k}": v for k, v in state.items()}, root / "ddp_wrapped.pth")
+    torch.save({f"_orig_mod.{k}": v for k, v in state.items()}, root / "compiled.pth")
+    torch.save({f"transformer.{k}": v for k, v in state.items()}, root / "prefixed.pth")
+    broken = dict(state)
+    del broken["layers.1.feed_forward.w1.weight"]
+    broken["layers.9.extra.weight"] = torch.zeros(3)
+    broken["norm.weight"] = torch.ones(65)
+    torch.save(broken, root / "broken.pth")
+    torch_save_to_dcp(root / "lit-llama.pth", root / "torch_dcp")
+    convert_checkpoint(root / "lit-llama.pth", root / "converted_dcp")
+    return root
+
+
+def test_every_format_and_mode_loads_exactly(llama_files):
+    root = llama_files
+    reference = str(root / "lit-llama.pth")
+
+    def case(file, **options):
+        return {"file": str(root / file), "reference": options.pop("reference", reference), **options}
+
+    cases = [
+        case("lit-llama.pth"),
+        case("lit-llama.pth", mode="turns"),
+        case("lit-llama.pth", mode="rank0"),
+        case("model.safetensors"),
+        case("model.safetensors", mode="rank0"),
+        case("torch_dcp"),
+        case("converted_dcp"),
+        case("bf16.pth", reference=str(root / "bf16_as_fp32.pth")),
+        case("lit-llama.pth", model_dtype="bfloat16"),
+        case("ddp_wrapped.pth"),
+        case("compiled.pth"),
+        case("prefixed.pth", key_map={"transformer.": ""}),
+    ]
+    values = _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases}, timeout=300))
+    for rank_values in values:
+        for spec, outcome in zip(cases, rank_values):
+            assert "error" not in outcome, (spec, outcome)
+            assert outcome["max_logit_diff"] == 0.0, (spec, outcome)
+            assert outcome["missing"] == [] and outcome["unexpected"] == [], (spec, outcome)
+            assert outcome["loaded"] == 21
+            expected_dtype = "torch.bfloat16" if spec.get("model_dtype") == "bfloat16" else "torch.float32"
+            assert outcome["param_dtypes"] == [expected_dtype]
+
+
+def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_files):
+    root = llama_files
+    base = {"reference": str(root / "lit-llama.pth")}
+    cases = [
+        {**base, "file": str(root / "broken.pth")},
+        {**base, "file": str(root / "prefixed.pth")},
+        {**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3},
+    ]
+    values = _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases}))
+    for rank, (broken, prefixed, unreadable) in enumerate(values):
+        message = broken["error"]
+        assert message.startswith("ValueError: checkpoint '")
+        assert "has no tensor for 'layers.1.feed_forward.w1.weight' (model expects [96, 64] float32)" in message
+        assert "'layers.9.extra.weight' ([3] float32)" in message
+        assert "'norm.weight' is [65] float32 but the model expects [64] float32" in message
+        assert "Pass strict=False to skip them, or key_map= to rename." in message
+        assert "key_map={'transformer.': ''} would rename them" in prefixed["error"]
+        if rank == 3:
+            assert unreadable["error"].startswith("FileNotFoundError") and "does-not-exist.pth" in unreadable["error"]
+        else:
+            assert unreadable["error"].startswith("PeerRankError: loading '")
+            assert "failed on rank 3: FileNotFoundError" in unreadable["error"]
+    # strict=False loads what matches
+    cases = [{**base, "file": str(root / "broken.pth"), "strict": False}]
+    for (outcome,) in _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases})):
+        assert outcome["missing"] == ["layers.1.feed_forward.w1.weight"]
+        assert outcome["unexpected"] == ["layers.9.extra.weight"]
+        assert outcome["loaded"] == 19  # also skips the mis-shaped norm.weight
+
+
+def test_fabric_load_accepts_a_raw_state_dict_and_a_converted_dcp(llama_files):
+    for name in ("lit-llama.pth", "converted_dcp"):
+        args = {"file": str(llama_files / name), "reference": str(llama_files / "lit-llama.pth")}
+        for facts in launch("tests.scenarios.loading:fabric_load_raw_state_dict", args).check().values:
+            assert facts["remainder"] == {}
+            assert facts["max_logit_diff"] == 0.0
+
+
+def test_transformers_save_pretrained_directories(tmp_path):
+    model = build("hf", seed=0)
+    torch.save(model.state_dict(), tmp_path / "reference.pth")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    model.save_pretrained(tmp_path / "single")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    (tmp_path / "bin").mkdir()
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "config.json").write_text(json.dumps(hf_config().to_dict()))
+    cases = [
+        {"file": str(tmp_path / name), "reference": str(tmp_path / "reference.pth"), "mode": mode}
+        for name, mode in [("sharded", None), ("single", "turns"), ("bin", "rank0")]
+    ]
+    for rank_values in _cases(launch("tests.scenarios.loading:load_cases", {"kind": "hf", "cases": cases})):
+        for outcome in rank_values:
+            assert "error" not in outcome, outcome
+            assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
+
+
+def test_litgpt_converter_output(tmp_path):
+    import litgpt.config
+    from litgpt.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    config = litgpt_config()
+    litgpt.config.name_to_config[config.name] = {
+        key: getattr(config, key)
+        for key in (
+            "name",
+            "block_size",
+            "vocab_size",
+            "padded_vocab_size",
+            "n_layer",
+            "n_head",
+            "n_query_groups",
+            "n_embd",
+            "rotary_percentage",
+            "parallel_residual",
+            "bias",
+            "norm_class_name",
+            "mlp_class_name",
+            "intermediate_size",
+        )
+    }
+    build("hf", seed=0).save_pretrained(tmp_path / config.name)
+    convert_hf_checkpoint(tmp_path / config.name, model_name=config.name)
+    lit_file = tmp_path / config.name / "lit_model.pth"
+    cases = [{"file": str(lit_file), "reference": str(lit_file)}, {"file": str(lit_file), "reference": str(lit_file)}]
+    cases[1]["mode"] = "rank0"
+    for rank_values in _cases(launch("tests.scenarios.loading:load_cases", {"kind": "litgpt", "cases": cases})):
+        for outcome in rank_values:
+            assert "error" not in outcome, outcome
+            assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
