@@ -1,0 +1,524 @@
+"""Bytes that cross the node boundary per training step: HSDP (shard within a node) vs FSDP over all ranks.
+
+Two simulated nodes are two network namespaces joined by one veth pair; each namespace runs 2 gloo ranks of
+``HybridFSDPStrategy`` (``GLOO_SOCKET_IFNAME`` = the namespace's veth, ``MASTER_ADDR`` = node 0's veth address). Ranks
+of one node talk over that node's own address, which the kernel routes through loopback, so the veth counters
+(``/sys/class/net/<veth>/statistics/{tx,rx}_bytes`` of node 0's end, read by global rank 0) count exactly the
+inter-node traffic. Counters are read after a warm-up step, around a fixed number of steps, between barriers.
+
+Theory (payload bytes, both directions together; ``T`` = the fp32 bytes of the full, padded parameters):
+
+* gloo's ``all_gather_into_tensor`` is a ring over ranks ``0 -> 1 -> 2 -> 3 -> 0``; every rank sends ``(n-1)/n T``
+  to its right neighbour, and exactly two ring edges (1 -> 2, 3 -> 0) join the nodes: ``2 (n-1)/n T = 1.5 T``.
+* gloo's ``reduce_scatter_tensor`` is an all-reduce of the whole input, then each rank keeps its chunk
+  (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``); a ring all-reduce is a ring reduce-scatter plus a ring
+  all-gather, so ``2 x 1.5 T = 3 T`` crosses.
+* FSDP over 4 ranks per step: forward all-gather of every unit, backward all-gather of every unit resharded after
+  forward (FSDP2 keeps the root unit -- embeddings, final norm, output head -- gathered unless
+  ``reshard_after_forward=True``), and the gradient reduce-scatter: ``1.5 T + 1.5 T_resharded + 3 T``.
+* HSDP (``shard_size="node"``): all-gathers and reduce-scatters stay inside a node; each rank all-reduces its
+  gradient shard (``T/2`` here) with the rank of the same shard index on the other node. A ring all-reduce of two
+  ranks sends ``2 (2-1)/2 M = M`` each way, so each of the 2 pairs moves ``2 x T/2`` across: ``2 T`` in all.
+
+So HSDP / FSDP = ``2 / (4.5 + 1.5 f)`` with ``f`` the resharded fraction: 1/3 when everything is resharded, more
+when the root stays gathered. A calibration phase measures the three collectives on their own first, so the factors
+above are checked in the same run. Step times are measured with the link unlimited and rate-limited by
+``tc qdisc ... tbf`` on both veth ends.
+
+Run as root (network namespaces): ``python benchmarks/comm_volume.py`` (~75 M parameters, a few minutes) or
+``--quick``. Without root or ``ip netns`` it prints why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+NUM_NODES = 2
+RANKS_PER_NODE = 2
+WORLD_SIZE = NUM_NODES * RANKS_PER_NODE
+MASTER_PORT = 29431
+CALIBRATION_BYTES = 8 << 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two-node network
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TwoNodeNetwork:
+    """Two network namespaces joined by a veth pair, addresses 10.<x>.<y>.1 and .2; removed by ``close()``."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 100000
+        self.namespaces = [f"hsdpbench{tag}n{node}" for node in range(NUM_NODES)]
+        self.veths = [f"hsdp{tag}v{node}" for node in range(NUM_NODES)]  # at most 15 characters
+        subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self.addresses = [f"{subnet}.{node + 1}" for node in range(NUM_NODES)]
+        self._created: list[str] = []
+
+    def open(self) -> None:
+        for namespace in self.namespaces:
+            _ip("netns", "add", namespace)
+            self._created.append(namespace)
+        _ip("link", "add", self.veths[0], "type", "veth", "peer", "name", self.veths[1])
+        for namespace, veth, address in zip(self.namespaces, self.veths, self.addresses):
+            _ip("link", "set", veth, "netns", namespace)
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", veth)
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            _ip("-n", namespace, "link", "set", veth, "up")
+
+    def close(self) -> None:
+        # Deleting a namespace deletes the veth end inside it, and with it the pair.
+        for namespace in reversed(self._created):
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+        self._created.clear()
+
+    def exec_prefix(self, node: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[node]]
+
+    def check_rate_limit(self, rate: str) -> str | None:
+        """Try ``tc ... tbf`` once; return why it cannot be used, or None."""
+        if shutil.which("tc") is None:
+            return "tc (iproute2) is not installed"
+        try:
+            for node in range(NUM_NODES):
+                subprocess.run(
+                    [*self.exec_prefix(node), *tbf_command(self.veths[node], rate)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                subprocess.run(
+                    [*self.exec_prefix(node), "tc", "qdisc", "del", "dev", self.veths[node], "root"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+        except subprocess.CalledProcessError as error:
+            return f"`{' '.join(error.cmd)}` failed: {error.stderr.strip()}"
+        return None
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
+
+
+def tbf_command(veth: str, rate: str) -> list[str]:
+    # burst must exceed the largest (GSO) packet a veth hands over, or tbf drops it.
+    return ["tc", "qdisc", "replace", "dev", veth, "root", "tbf", "rate", rate, "burst", "1mb", "latency", "200ms"]
+
+
+def why_no_namespaces() -> str | None:
+    if sys.platform != "linux":
+        return f"network namespaces need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root (run with sudo)"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    probe = f"hsdpbenchprobe{os.getpid() % 100000}"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"`ip netns add` is not permitted here: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Theory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def model_config(quick: bool, millions: float | None) -> Any:
+    from examples.tiny_llama import config_for_parameters
+
+    if quick:
+        return config_for_parameters(millions or 16, vocab_size=8192)
+    return config_for_parameters(millions or 75)
+
+
+def unit_bytes(config: Any, shard_size: int) -> tuple[int, int]:
+    """fp32 bytes of the (root unit, layer units) after FSDP2 pads every dim 0 to a multiple of ``shard_size``."""
+    import torch
+
+    from examples.tiny_llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(config)
+    root = layers = 0
+    for name, param in model.named_parameters():
+        rows = math.ceil(param.shape[0] / shard_size) * shard_size
+        nbytes = rows * math.prod(param.shape[1:]) * param.element_size()
+        if name.startswith("layers."):
+            layers += nbytes
+        else:
+            root += nbytes
+    return root, layers
+
+
+def ring_crossing(ranks: int) -> float:
+    """Fraction of T a ring all-gather of ``ranks`` ranks (2 nodes, ranks numbered node by node) moves across."""
+    return 2 * (ranks - 1) / ranks
+
+
+def theory_bytes(mode: str, config: Any, reshard_root: bool) -> dict[str, float]:
+    """Inter-node payload bytes per step, by collective (see the module docstring)."""
+    if mode == "fsdp":
+        root, layers = unit_bytes(config, WORLD_SIZE)
+        ring = ring_crossing(WORLD_SIZE)
+        return {
+            "all-gather forward": ring * (root + layers),
+            "all-gather backward": ring * (layers + (root if reshard_root else 0)),
+            "reduce-scatter (= gloo all-reduce)": 2 * ring * (root + layers),
+        }
+    root, layers = unit_bytes(config, RANKS_PER_NODE)
+    shard_bytes = (root + layers) / RANKS_PER_NODE
+    # RANKS_PER_NODE pairs; a 2-rank ring all-reduce sends the whole shard each way.
+    return {"all-reduce across nodes": RANKS_PER_NODE * 2 * shard_bytes}
+
+
+CALIBRATION_THEORY = {
+    "all_gather_into_tensor (4 ranks)": ring_crossing(WORLD_SIZE),
+    "reduce_scatter_tensor (4 ranks)": 2 * ring_crossing(WORLD_SIZE),
+    "all_reduce (2 pairs across nodes, T/2 each)": 2.0,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One rank (runs inside its namespace)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def veth_bytes(veth: str) -> int:
+    statistics = Path("/sys/class/net") / veth / "statistics"
+    return int((statistics / "tx_bytes").read_text()) + int((statistics / "rx_bytes").read_text())
+
+
+def calibrate(veth: str) -> dict[str, float]:
+    """Inter-node bytes of each collective FSDP uses, as a multiple of the full tensor's bytes T."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([index, index + RANKS_PER_NODE]) for index in range(RANKS_PER_NODE)]
+    numel = CALIBRATION_BYTES // 4
+    full = torch.ones(numel)
+    chunk = torch.ones(numel // WORLD_SIZE)
+    half = torch.ones(numel // 2)
+    operations = {
+        "all_gather_into_tensor (4 ranks)": lambda: dist.all_gather_into_tensor(full, chunk),
+        "reduce_scatter_tensor (4 ranks)": lambda: dist.reduce_scatter_tensor(chunk, full),
+        "all_reduce (2 pairs across nodes, T/2 each)": lambda: dist.all_reduce(
+            half, group=pairs[rank % RANKS_PER_NODE]
+        ),
+    }
+    factors = {}
+    for name, operation in operations.items():
+        operation()  # connect the pair sockets outside the measurement
+        before = read_between_barriers(veth, dist.barrier)
+        operation()
+        factors[name] = (read_between_barriers(veth, dist.barrier) - before) / CALIBRATION_BYTES
+    return factors
+
+
+def read_between_barriers(veth: str, barrier: Any) -> int:
+    """Read the counters once every rank is idle, and let no rank go on until they are read.
+
+    A single barrier is not enough: ranks leave it at different moments, and one that leaves early would start
+    sending before the slowest one reads the counters.
+    """
+    barrier()
+    count = veth_bytes(veth)
+    barrier()
+    return count
+
+
+def run_rank(spec: dict[str, Any]) -> None:
+    import warnings
+    from datetime import timedelta
+
+    import lightning as L
+    import torch
+
+    from examples.tiny_llama import Llama, LlamaConfig, loss_fn
+    from fabric_hsdp import HybridFSDPStrategy
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    veth = os.environ["GLOO_SOCKET_IFNAME"]
+    strategy = HybridFSDPStrategy(
+        shard_size=spec["shard_size"],
+        reshard_after_forward=spec["reshard_after_forward"],
+        timeout=timedelta(seconds=spec["collective_timeout"]),
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=RANKS_PER_NODE, num_nodes=NUM_NODES, strategy=strategy)
+    fabric.launch()
+    report: dict[str, Any] = {"mesh": str(strategy.topology.mesh_shape)}
+    if spec["calibrate"]:
+        report["calibration"] = calibrate(veth)
+
+    config = LlamaConfig(**spec["config"])
+    with fabric.init_module(empty_init=True):
+        model = Llama(config)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    batch, seq = spec["batch_size"], spec["seq_len"]
+
+    def train_step() -> None:
+        tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
+        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def measure(steps: int) -> tuple[float, float]:
+        bytes_before, started = read_between_barriers(veth, fabric.barrier), time.perf_counter()
+        for _ in range(steps):
+            train_step()
+        bytes_after = read_between_barriers(veth, fabric.barrier)
+        return (bytes_after - bytes_before) / steps, (time.perf_counter() - started) / steps
+
+    train_step()  # warm-up: FSDP2's lazy init, gloo pair connections, allocator
+    report["bytes_per_step"], report["seconds_per_step"] = measure(spec["steps"])
+    if spec["rate"]:
+        if fabric.local_rank == 0:
+            subprocess.run(tbf_command(veth, spec["rate"]), check=True, capture_output=True)
+        train_step()  # let the queue settle at the limited rate
+        report["limited_bytes_per_step"], report["limited_seconds_per_step"] = measure(spec["limited_steps"])
+        fabric.barrier()
+        if fabric.local_rank == 0:
+            subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=False, capture_output=True)
+    if fabric.global_rank == 0:
+        Path(spec["result_file"]).write_text(json.dumps(report))
+    fabric.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def launch(network: TwoNodeNetwork, spec: dict[str, Any], timeout: float, log_dir: Path) -> dict[str, Any]:
+    """Start the 4 ranks in their namespaces, wait (with a timeout), return rank 0's report."""
+    processes = []
+    spec_json = json.dumps(spec)
+    for node in range(NUM_NODES):
+        for local_rank in range(RANKS_PER_NODE):
+            env = dict(
+                os.environ,
+                MASTER_ADDR=network.addresses[0],
+                MASTER_PORT=str(MASTER_PORT),
+                NODE_RANK=str(node),
+                LOCAL_RANK=str(local_rank),
+                WORLD_SIZE=str(WORLD_SIZE),
+                GLOO_SOCKET_IFNAME=network.veths[node],
+                OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+            )
+            global_rank = node * RANKS_PER_NODE + local_rank
+            log = open(log_dir / f"{spec['mode']}-rank{global_rank}.log", "w")  # noqa: SIM115
+            command = [*network.exec_prefix(node), sys.executable, str(Path(__file__).resolve()), "--rank", spec_json]
+            processes.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(process.poll() is None for process, _ in processes):
+            failed = [process for process, _ in processes if process.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for process, log in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            log.close()
+    codes = [process.returncode for process, _ in processes]
+    result_file = Path(spec["result_file"])
+    if any(code != 0 for code in codes) or not result_file.exists():
+        tail = (log_dir / f"{spec['mode']}-rank0.log").read_text()[-3000:]
+        reason = "timed out" if time.monotonic() > deadline else f"exit codes {codes}"
+        raise RuntimeError(f"{spec['mode']} run failed ({reason}); logs in {log_dir}. rank 0:\n{tail}")
+    return json.loads(result_file.read_text())
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.1f} MB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="~16 M parameters, fewer steps (a smoke test)")
+    parser.add_argument("--params", type=float, default=None, help="model size in millions (default 75; quick 16)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps, unlimited link (default 3; quick 2)")
+    parser.add_argument("--limited_steps", type=int, default=None, help="measured steps at --rate (default 2; quick 1)")
+    parser.add_argument("--rate", default="1gbit", help="tc tbf rate for the timing run; '' to skip it")
+    parser.add_argument(
+        "--reshard_after_forward",
+        choices=["auto", "true", "false"],
+        default="auto",
+        help="HybridFSDPStrategy(reshard_after_forward=...): auto = FSDP2's default (root unit stays gathered)",
+    )
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch before it is killed")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--rank", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        run_rank(json.loads(args.rank))
+        return 0
+
+    reason = why_no_namespaces()
+    if reason is not None:
+        print(f"comm_volume: skipped: {reason}.")
+        return 0
+    steps = args.steps or (2 if args.quick else 3)
+    limited_steps = args.limited_steps or (1 if args.quick else 2)
+    reshard = {"auto": None, "true": True, "false": False}[args.reshard_after_forward]
+    config = model_config(args.quick, args.params)
+    import torch
+
+    from examples.tiny_llama import Llama
+
+    with torch.device("meta"):
+        parameters = Llama(config).num_parameters()
+    print(
+        f"model: LLaMA-style, {parameters / 1e6:.1f} M parameters (dim {config.dim}, {config.n_layers} layers,"
+        f" vocab {config.vocab_size}), fp32, batch {args.batch_size} x {args.seq_len} tokens per rank;"
+        f" {NUM_NODES} nodes (network namespaces) x {RANKS_PER_NODE} gloo ranks; reshard_after_forward="
+        f"{args.reshard_after_forward}"
+    )
+
+    # Ctrl-C and SIGTERM end in the finally below, which removes the namespaces.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    network = TwoNodeNetwork()
+    log_dir = Path(tempfile.mkdtemp(prefix="hsdp-comm-volume-"))
+    results: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    try:
+        network.open()
+        rate = args.rate or None
+        if rate:
+            problem = network.check_rate_limit(rate)
+            if problem:
+                print(f"rate-limited timing skipped: {problem}")
+                rate = None
+        print(
+            f"network: {network.namespaces[0]} ({network.veths[0]} {network.addresses[0]}) <-veth->"
+            f" {network.namespaces[1]} ({network.veths[1]} {network.addresses[1]}); logs in {log_dir}"
+        )
+        for mode, shard_size in (("hsdp", "node"), ("fsdp", "world")):
+            spec = {
+                "mode": mode,
+                "shard_size": shard_size,
+                "reshard_after_forward": reshard,
+                "config": vars(config),
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "steps": steps,
+                "limited_steps": limited_steps,
+                "rate": rate,
+                "calibrate": mode == "hsdp",
+                "collective_timeout": args.timeout,
+                "result_file": str(log_dir / f"{mode}.json"),
+            }
+            launch_started = time.monotonic()
+            results[mode] = launch(network, spec, args.timeout, log_dir)
+            print(f"{mode}: done in {time.monotonic() - launch_started:.0f} s (mesh {results[mode]['mesh']})")
+    except RuntimeError as error:
+        print(f"comm_volume: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        network.close()
+    report(results, config, reshard, rate, steps, limited_steps, args.json)
+    print(f"total {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def report(
+    results: dict[str, dict[str, Any]],
+    config: Any,
+    reshard: bool | None,
+    rate: str | None,
+    steps: int,
+    limited_steps: int,
+    json_path: Path | None,
+) -> None:
+    calibration = results["hsdp"].get("calibration", {})
+    print("\ncalibration: inter-node bytes of one collective, in units of the full tensor T (8 MiB)")
+    print(f"  {'collective':<46} {'measured':>9} {'theory':>7}")
+    for name, measured in calibration.items():
+        print(f"  {name:<46} {measured:>9.3f} {CALIBRATION_THEORY[name]:>7.3f}")
+
+    theories = {mode: theory_bytes(mode, config, reshard_root=reshard is True) for mode in results}
+    print(f"\nper training step ({steps} steps measured after a warm-up step; bytes = veth tx + rx)")
+    header = f"  {'':<6} {'measured':>12} {'theory':>12} {'meas/theory':>11} {'s/step':>8}"
+    if rate:
+        header += f" {'s/step @' + rate:>14}"
+    print(header)
+    for mode, result in results.items():
+        theory = sum(theories[mode].values())
+        line = (
+            f"  {mode:<6} {_mb(result['bytes_per_step']):>12} {_mb(theory):>12}"
+            f" {result['bytes_per_step'] / theory:>11.3f} {result['seconds_per_step']:>8.2f}"
+        )
+        if rate:
+            line += f" {result['limited_seconds_per_step']:>14.2f}"
+        print(line)
+    for mode, parts in theories.items():
+        print(f"  theory {mode}: " + ", ".join(f"{name} {_mb(value)}" for name, value in parts.items()))
+
+    measured_ratio = results["hsdp"]["bytes_per_step"] / results["fsdp"]["bytes_per_step"]
+    theory_ratio = sum(theories["hsdp"].values()) / sum(theories["fsdp"].values())
+    target = 1 / (1.5 * RANKS_PER_NODE)
+    verdict = "met" if measured_ratio <= target else f"MISSED by {measured_ratio / target - 1:.1%}"
+    print(
+        f"\nHSDP / FSDP inter-node bytes: measured {measured_ratio:.3f}, theory {theory_ratio:.3f};"
+        f" target <= {target:.3f} = 1 / (1.5 x {RANKS_PER_NODE} ranks per node): {verdict}"
+    )
+    if theory_ratio > target:
+        print(
+            "  (with gloo's ring collectives the theory itself is 2 / (4.5 + 1.5 f), f = fraction of T re-gathered in"
+            " backward: it reaches 1/3 only with reshard_after_forward=true)"
+        )
+    for mode, result in results.items():
+        deviation = result["bytes_per_step"] / sum(theories[mode].values()) - 1
+        print(f"  {mode} measured vs theory: {deviation:+.1%} ({'within' if abs(deviation) <= 0.1 else 'OUTSIDE'} 10%)")
+    if rate:
+        speedup = results["fsdp"]["limited_seconds_per_step"] / results["hsdp"]["limited_seconds_per_step"]
+        unlimited = results["fsdp"]["seconds_per_step"] / results["hsdp"]["seconds_per_step"]
+        print(f"  step time FSDP / HSDP: {unlimited:.2f}x unlimited, {speedup:.2f}x at {rate} ({limited_steps} steps)")
+    if json_path is not None:
+        json_path.write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "theory": theories,
+                    "measured_ratio": measured_ratio,
+                    "theory_ratio": theory_ratio,
+                },
+                indent=2,
+            )
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
