@@ -128,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("fabric-hsdp: %(message)s"))
     logger = logging.getLogger("fabric_hsdp")
-    logger.addHandler(handler)
+    # The command owns stderr while it runs: its handler replaces any the package set up, so lines are not doubled.
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    logger.handlers, logger.propagate = [handler], False
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
     try:
         _run(config.command, args)
@@ -141,5 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fabric-hsdp: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT if isinstance(error, _BAD_INPUT) else EXIT_FAILURE
     finally:
-        logger.removeHandler(handler)
+        logger.handlers, logger.propagate = saved[0], saved[2]
+        logger.setLevel(saved[1])
     return EXIT_OK

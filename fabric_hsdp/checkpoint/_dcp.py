@@ -12,6 +12,7 @@ chunk bookkeeping (a tensor saved by N ranks is N chunks). Two things differ fro
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import os
 import pathlib
@@ -216,14 +217,14 @@ class DCPSource(CheckpointSource):
         entry = self.metadata.state_dict_metadata[self._fqns[name]]
         return TensorInfo(name, entry.size, entry.properties.dtype)
 
-    def _read_fqn(self, fqn: str) -> torch.Tensor:
+    def _read_fqn(self, fqn: str, out: torch.Tensor | None = None) -> torch.Tensor:
         entry = self.metadata.state_dict_metadata[fqn]
-        target = torch.empty(entry.size, dtype=entry.properties.dtype)
+        target = torch.empty(entry.size, dtype=entry.properties.dtype) if out is None else out
         _quiet_load({fqn: target}, self._reader, DefaultLoadPlanner(flatten_state_dict=False))
         return target
 
-    def _read(self, name: str) -> torch.Tensor:
-        return self._read_fqn(self._fqns[name])
+    def _read(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
+        return self._read_fqn(self._fqns[name], out)
 
     def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
         """``(offsets, sizes)`` of each stored chunk of tensor ``name`` (one per saving rank that held a piece)."""
@@ -252,7 +253,8 @@ class DCPSource(CheckpointSource):
         def convert(node: Any, path: tuple) -> Any:
             if isinstance(node, dcp_metadata.TensorStorageMetadata):
                 fqn = self._fqn_of_path[path]
-                return LazyTensor(fqn, node.size, node.properties.dtype, lambda: self._read_fqn(fqn))
+                load = functools.partial(self._read_fqn, fqn)
+                return LazyTensor(fqn, node.size, node.properties.dtype, load, load)
             if isinstance(node, dcp_metadata.BytesStorageMetadata):
                 return planner.values[self._fqn_of_path[path]]
             if isinstance(node, dict):
@@ -288,17 +290,21 @@ def storage_files(path: Path) -> list[tuple[str, int]]:
 class _StreamingSavePlanner(DefaultSavePlanner):
     """A save planner whose state dict holds meta tensors; the real tensor is produced when DCP asks to write it.
 
-    ``FileSystemWriter`` keeps a reference to every tensor it wrote until the file is closed, so a tensor this
-    planner produced is freed (storage resized to 0) when the next one is asked for. That is safe because the
-    writer is built with ``thread_count=1, per_thread_copy_ahead=0``: the serial loader resolves item ``i + 1`` only
-    after item ``i`` is written.
+    A LazyTensor is read into one scratch buffer that every item reuses, and a copy this planner had to make is
+    freed (storage resized to 0) when the next item is asked for: ``FileSystemWriter`` keeps a reference to every
+    tensor it wrote until the file is closed, but never reads them again in its default (torch.save) format. Both
+    are safe because the writer is built with ``thread_count=1, per_thread_copy_ahead=0``: its serial loader
+    resolves item ``i + 1`` only after item ``i`` is written.
     """
 
-    def __init__(self, producers: dict[tuple, Any], on_tensor: Callable[[int], None] | None) -> None:
+    def __init__(self, producers: dict[str, Any], on_tensor: Callable[[int], None] | None, path: Path) -> None:
         super().__init__(flatten_state_dict=True)
+        self._path = path
         self._producers = producers
         self._on_tensor = on_tensor
         self._written: torch.Tensor | None = None
+        largest = max((value.nbytes for value in producers.values() if isinstance(value, LazyTensor)), default=0)
+        self._scratch = _io.ScratchBuffer(largest)
 
     def release(self) -> None:
         if self._written is not None:
@@ -310,10 +316,11 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         self.release()
-        path = self.mappings[write_item.index.fqn]
-        value = self._producers[path]
+        for data_file in self._path.glob("*.distcp"):  # what FileSystemWriter wrote so far: let the disk start on it
+            _io.start_writeback(data_file)
+        value = self._producers[write_item.index.fqn]
         if isinstance(value, LazyTensor):
-            tensor, owned = value.materialize(), True
+            tensor, owned = value.materialize(out=self._scratch.take(value.shape, value.dtype)), False
         else:
             tensor, owned = value.detach().cpu(), value.device.type != "cpu"
         if not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
@@ -330,14 +337,14 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 
 def save_streaming(state: dict[str, Any], path: Path, on_tensor: Callable[[int], None] | None = None) -> None:
     """``dcp.save`` of a nested state dict whose tensors may be LazyTensor, holding about one tensor in memory."""
-    producers: dict[tuple, Any] = {}
+    producers: dict[str, Any] = {}
 
     def placeholder(leaf: Any, leaf_path: tuple) -> torch.Tensor:
-        producers[leaf_path] = leaf
+        producers[".".join(str(part) for part in leaf_path)] = leaf  # the key DCP flattens this path to
         return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
 
     skeleton = map_tensors(state, placeholder)
-    planner = _StreamingSavePlanner(producers, on_tensor)
+    planner = _StreamingSavePlanner(producers, on_tensor, path)
     writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
     try:
         with _dcp_call():

@@ -44,8 +44,8 @@ class ShardedDirectory(CheckpointSource):
     def _info(self, name: str) -> TensorInfo:
         return self._shard(name).tensor_info(name)
 
-    def _read(self, name: str) -> torch.Tensor:
-        return self._shard(name).read(name)
+    def _read(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
+        return self._shard(name).read(name, out=out)
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         return self._shard(name).read_slice(name, index)

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,11 +23,34 @@ _SLICE_BLOCK = 64 << 20
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc_function(name: str) -> Callable[..., int] | None:
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        return getattr(ctypes.CDLL("libc.so.6", use_errno=True), name)
     except (OSError, AttributeError):
         return None
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(path: str | os.PathLike) -> None:
+    """Ask the kernel to start writing ``path``'s dirty pages now, without waiting (Linux only; else a no-op).
+
+    Writers call this after each tensor so the disk works while the next tensor is read; the fsync that makes the
+    output durable before it is renamed into place then has little left to wait for.
+    """
+    sync_file_range = _libc_function("sync_file_range")
+    if sync_file_range is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+    finally:
+        os.close(fd)
 
 
 def release_freed_memory() -> None:
@@ -35,7 +59,7 @@ def release_freed_memory() -> None:
     glibc keeps freed blocks below its mmap threshold (up to 32 MiB) in the heap, so resident memory would climb
     with every tensor a writer frees; trimming after each tensor (about 1 ms) keeps it at one tensor.
     """
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -65,11 +89,43 @@ def readinto(fd: int, target: torch.Tensor, offset: int, *, file_name: str) -> N
         done += count
 
 
-def read_tensor(fd: int, offset: int, shape: Sequence[int], dtype: torch.dtype, *, file_name: str) -> torch.Tensor:
-    """Read a row-major tensor of ``shape`` and ``dtype`` stored at ``offset``; returns a new CPU tensor."""
-    tensor = torch.empty(tuple(shape), dtype=dtype)
+def read_tensor(
+    fd: int,
+    offset: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    *,
+    file_name: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Read a row-major tensor of ``shape`` and ``dtype`` stored at ``offset`` into ``out`` or a new CPU tensor."""
+    tensor = torch.empty(tuple(shape), dtype=dtype) if out is None else out
     readinto(fd, tensor, offset, file_name=file_name)
     return tensor
+
+
+class ScratchBuffer:
+    """One reusable buffer that a writer reads each streamed tensor into.
+
+    Fresh memory costs a page fault per 4 KiB on first touch, which made reading into new tensors several times
+    slower than the read itself; reusing one buffer the size of the largest tensor pays that once.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over the start of the buffer whose storage is exactly its size (valid until the next take)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        if nbytes > self._buffer.numel():
+            raise ValueError(f"a {nbytes}-byte tensor does not fit the {self._buffer.numel()}-byte scratch buffer")
+        memory = (ctypes.c_ubyte * nbytes).from_address(self._buffer.data_ptr())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about the buffer's lifetime, which we manage
+            raw = torch.frombuffer(memory, dtype=torch.uint8)
+        return raw.view(dtype).view(tuple(shape))
 
 
 def normalize_index(index: tuple[slice, ...], shape: Sequence[int], name: str) -> list[tuple[int, int]]:

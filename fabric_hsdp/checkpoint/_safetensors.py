@@ -102,9 +102,9 @@ class SafetensorsFile(CheckpointSource):
     def _info(self, name: str) -> TensorInfo:
         return self._entries[name][1]
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
         offset, info = self._entries[name]
-        return _io.read_tensor(self._fd, offset, info.shape, info.dtype, file_name=self._file)
+        return _io.read_tensor(self._fd, offset, info.shape, info.dtype, file_name=self._file, out=out)
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         offset, info = self._entries[name]

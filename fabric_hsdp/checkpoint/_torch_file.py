@@ -7,6 +7,7 @@ at those offsets, one at a time, so memory stays at the tensor being read.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -143,15 +144,16 @@ class TorchFileSource(CheckpointSource):
             return leaf
         name = ".".join(str(part) for part in path)
         stored = self._locate(name, leaf)
-        return LazyTensor(name, leaf.shape, leaf.dtype, lambda: self._read_stored(stored))
+        load = functools.partial(self._read_stored, stored)
+        return LazyTensor(name, leaf.shape, leaf.dtype, load, load)
 
-    def _read_stored(self, stored: _Stored) -> torch.Tensor:
+    def _read_stored(self, stored: _Stored, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._fd < 0:
             raise ValueError(f"checkpoint '{self._file}' is closed")
         info = stored.info
         if stored.contiguous:
             start = stored.storage_start + stored.storage_offset * info.dtype.itemsize
-            tensor = _io.read_tensor(self._fd, start, info.shape, info.dtype, file_name=self._file)
+            tensor = _io.read_tensor(self._fd, start, info.shape, info.dtype, file_name=self._file, out=out)
             if self._byteswap:
                 tensor.untyped_storage().byteswap(info.dtype)
             return tensor
@@ -159,7 +161,7 @@ class TorchFileSource(CheckpointSource):
         if self._byteswap:
             raw.untyped_storage().byteswap(info.dtype)
         strided = raw.view(info.dtype).as_strided(info.shape, stored.stride, stored.storage_offset)
-        return strided.clone(memory_format=torch.contiguous_format)
+        return strided.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(strided)
 
     def keys(self) -> list[str]:
         return list(self._tensors if self._legacy else self._stored)
@@ -170,10 +172,10 @@ class TorchFileSource(CheckpointSource):
             return TensorInfo(name, tensor.shape, tensor.dtype)
         return self._stored[name].info
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
         if self._legacy:
-            return self._tensors[name].clone()
-        return self._read_stored(self._stored[name])
+            return self._tensors[name].clone() if out is None else out.copy_(self._tensors[name])
+        return self._read_stored(self._stored[name], out)
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         stored = self._stored.get(name)

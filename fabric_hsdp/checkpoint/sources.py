@@ -76,24 +76,43 @@ class LazyTensor:
     """A stored tensor that is read only when :meth:`materialize` is called (a leaf of ``extras(lazy=True)``).
 
     Writers accept these wherever they accept tensors and materialise one at a time, which keeps memory bounded.
+
+    Args:
+        name: for messages.
+        shape: the tensor's shape.
+        dtype: the tensor's dtype.
+        load: reads the tensor into a new CPU tensor.
+        load_into: reads it into a given contiguous CPU tensor (optional; else ``out.copy_(load())``).
     """
 
-    __slots__ = ("name", "shape", "dtype", "_load")
+    __slots__ = ("name", "shape", "dtype", "_load", "_load_into")
 
-    def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, load: Callable[[], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        load: Callable[[], torch.Tensor],
+        load_into: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.name = name
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self._load = load
+        self._load_into = load_into
 
     @property
     def nbytes(self) -> int:
         """Size in bytes once materialised."""
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def materialize(self) -> torch.Tensor:
-        """Read the tensor; returns a new CPU tensor owned by the caller."""
-        tensor = self._load()
+    def materialize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read the tensor into ``out`` (a contiguous CPU tensor of this shape and dtype), else into a new one."""
+        if out is None:
+            tensor = self._load()
+        else:
+            check_out(out, self.name, self.shape, self.dtype)
+            tensor = self._load_into(out) if self._load_into is not None else out.copy_(self._load())
         if tensor.shape != self.shape or tensor.dtype != self.dtype:
             raise RuntimeError(
                 f"tensor '{self.name}' was announced as {list(self.shape)} {self.dtype} but reads as"
@@ -103,6 +122,15 @@ class LazyTensor:
 
     def __repr__(self) -> str:
         return f"LazyTensor({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def check_out(out: torch.Tensor, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` unless ``out`` can receive tensor ``name``: contiguous, on CPU, same shape and dtype."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.shape != shape or out.dtype != dtype:
+        raise ValueError(
+            f"out= for tensor {name!r} must be a contiguous CPU tensor of shape {list(shape)} and dtype {dtype}, got"
+            f" {list(out.shape)} {out.dtype} on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def map_tensors(obj: Any, fn: Callable[[Any, tuple], Any], path: tuple = ()) -> Any:
@@ -192,12 +220,12 @@ class CheckpointSource(ABC):
     def _info(self, name: str) -> TensorInfo: ...
 
     @abstractmethod
-    def _read(self, name: str) -> torch.Tensor: ...
+    def _read(self, name: str, out: torch.Tensor | None) -> torch.Tensor: ...
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         info = self._info(name)
         box = _io.normalize_index(index, info.shape, name)
-        return self._read(name)[tuple(slice(start, stop) for start, stop in box)].clone()
+        return self._read(name, None)[tuple(slice(start, stop) for start, stop in box)].clone()
 
     def _lazy_extras(self) -> dict[str, Any]:
         return {}
@@ -207,10 +235,14 @@ class CheckpointSource(ABC):
         self._check_name(name)
         return self._info(name)
 
-    def read(self, name: str) -> torch.Tensor:
-        """Read model tensor ``name``; returns a new CPU tensor owned by the caller."""
+    def read(self, name: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read model tensor ``name``: into ``out`` if given (contiguous, CPU, same shape and dtype), else into a new
+        CPU tensor owned by the caller. Returns the tensor read."""
         self._check_name(name)
-        return self._read(name)
+        if out is not None:
+            info = self._info(name)
+            check_out(out, name, info.shape, info.dtype)
+        return self._read(name, out)
 
     def read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Read the box ``index`` (one unit-step slice per leading dim) of tensor ``name`` into a new CPU tensor."""
@@ -231,7 +263,13 @@ class CheckpointSource(ABC):
         out = {}
         for name in self.keys():
             info = self._info(name)
-            out[name] = LazyTensor(name, info.shape, info.dtype, lambda name=name: self._read(name))
+            out[name] = LazyTensor(
+                name,
+                info.shape,
+                info.dtype,
+                lambda name=name: self._read(name, None),
+                lambda target, name=name: self._read(name, target),
+            )
         return out
 
     def close(self) -> None:  # noqa: B027 (a no-op default: sources without open files have nothing to release)

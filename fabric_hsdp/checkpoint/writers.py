@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fabric_hsdp.checkpoint._io import release_freed_memory
+from fabric_hsdp.checkpoint._io import ScratchBuffer, release_freed_memory, start_writeback
 from fabric_hsdp.checkpoint._safetensors import SAFETENSORS_DTYPES
 from fabric_hsdp.checkpoint.sources import LazyTensor, map_tensors, materialize
 
@@ -144,10 +144,17 @@ def _entries(tensors: TensorsArg) -> list[tuple[str, TensorLike]]:
     return items
 
 
-def _materialize(name: str, value: TensorLike) -> tuple[torch.Tensor, bool]:
-    """The tensor to write, contiguous on CPU with a storage of exactly its size, and whether we own it."""
+def _scratch_for(values: Iterable[Any]) -> ScratchBuffer:
+    return ScratchBuffer(max((value.nbytes for value in values if isinstance(value, LazyTensor)), default=0))
+
+
+def _materialize(name: str, value: TensorLike, scratch: ScratchBuffer) -> tuple[torch.Tensor, bool]:
+    """The tensor to write, contiguous on CPU with a storage of exactly its size, and whether it is a fresh copy.
+
+    A LazyTensor is read into ``scratch`` (valid until the next call), so streaming allocates nothing per tensor.
+    """
     if isinstance(value, LazyTensor):
-        tensor, owned = value.materialize(), True
+        return value.materialize(out=scratch.take(value.shape, value.dtype)), False
     else:
         tensor, owned = value.detach(), False
         if tensor.device.type != "cpu":
@@ -206,9 +213,11 @@ def write_torch_file(
     dest = Path(dest)
     with atomic_output(dest, overwrite) as tmp:
         # torch pickles the structure itself (data.pkl); skip_data leaves the storage bytes out, to be streamed below.
+        # A separate (sparse) file: truncating and rewriting one file makes ext4 flush it synchronously on close.
+        skeleton_file = tmp.with_name(tmp.name + ".structure")
         with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save(skeleton, tmp)
-        reader = torch._C.PyTorchFileReader(str(tmp))
+            torch.save(skeleton, skeleton_file)
+        reader = torch._C.PyTorchFileReader(str(skeleton_file))
         records = [name for name in reader.get_all_records() if name.startswith("data/")]
         if len(records) != len(leaves) or any(
             reader.get_record_size(f"data/{i}") != leaf.nbytes for i, (_, leaf) in enumerate(leaves)
@@ -217,16 +226,20 @@ def write_torch_file(
         names = ("data.pkl", ".format_version", ".storage_alignment", "byteorder")
         header = [(name, reader.get_record(name)) for name in names if reader.has_record(name)]
         del reader
+        skeleton_file.unlink()
         # A path, not a Python stream: with a stream torch copies each record into a bytes object first.
+        scratch = _scratch_for(leaf for _, leaf in leaves)
         writer = torch._C.PyTorchFileWriter(str(tmp))
         try:
             for name, data in header:
                 writer.write_record(name, data, len(data))
             for i, (path, leaf) in enumerate(leaves):
-                tensor, _ = _materialize(".".join(str(part) for part in path), leaf)
+                tensor, fresh = _materialize(".".join(str(part) for part in path), leaf, scratch)
                 writer.write_record(f"data/{i}", tensor.untyped_storage(), tensor.nbytes)
                 del tensor
-                release_freed_memory()
+                if fresh:
+                    release_freed_memory()
+                start_writeback(tmp)
                 if on_tensor is not None:
                     on_tensor(_nbytes(leaf))
             writer.write_end_of_file()
@@ -265,15 +278,20 @@ def _safetensors_header(entries: list[tuple[str, TensorLike]], metadata: Mapping
     return len(encoded).to_bytes(8, "little") + encoded
 
 
-def _write_safetensors_file(path: Path, entries: list, metadata: Mapping[str, str], on_tensor: ProgressFn | None):
+def _write_safetensors_file(
+    path: Path, entries: list, metadata: Mapping[str, str], on_tensor: ProgressFn | None, scratch: ScratchBuffer
+) -> None:
     header = _safetensors_header(entries, metadata)
     with open(path, "wb") as stream:
         stream.write(header)
         for name, value in entries:
-            tensor, _ = _materialize(name, value)
+            tensor, fresh = _materialize(name, value, scratch)
             stream.write(_bytes_of(tensor))
             del tensor
-            release_freed_memory()
+            if fresh:
+                release_freed_memory()
+            stream.flush()
+            start_writeback(path)
             if on_tensor is not None:
                 on_tensor(_nbytes(value))
 
@@ -319,7 +337,7 @@ def write_safetensors(
         if extra_files:
             raise ValueError(f"'{dest}' is a single file; extra_files need a directory output")
         with atomic_output(dest, overwrite) as tmp:
-            _write_safetensors_file(tmp, entries, metadata, on_tensor)
+            _write_safetensors_file(tmp, entries, metadata, on_tensor, _scratch_for(value for _, value in entries))
         return [dest]
     limit = parse_size(max_shard_size) if max_shard_size is not None else float("inf")
     shards = plan_shards(entries, limit)  # type: ignore[arg-type]
@@ -328,10 +346,11 @@ def write_safetensors(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    scratch = _scratch_for(value for _, value in entries)
     with atomic_output(dest, overwrite) as tmp:
         tmp.mkdir()
         for name, shard in zip(names, shards):
-            _write_safetensors_file(tmp / name, shard, metadata, on_tensor)
+            _write_safetensors_file(tmp / name, shard, metadata, on_tensor, scratch)
         if len(shards) > 1:
             index = {
                 "metadata": {"total_size": sum(_nbytes(value) for _, value in entries)},
@@ -371,8 +390,8 @@ def write_dcp(
         if _is_optimizer_state(value):
             if any(isinstance(param_id, int) for param_id in value["state"]):
                 _logger.warning(
-                    "Optimizer state %r is keyed by parameter index (a plain optimizer.state_dict()). DCP stores it,"
-                    " but DCP readers (torch's included) rebuild index-keyed dicts as lists; the sharded loader"
+                    "Optimizer state %r is keyed by parameter index (a plain optimizer.state_dict()). DCP keeps the"
+                    " indices as strings ('0', '1', ...), so it reads back keyed by strings, and the sharded loader"
                     " expects states keyed by parameter name.",
                     key,
                 )

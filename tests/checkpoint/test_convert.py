@@ -189,3 +189,18 @@ def test_litgpt_converter_output_reads_correctly(tmp_path):
     hf = model.state_dict()
     assert torch.equal(expected["transformer.wte.weight"], hf["model.embed_tokens.weight"])
     assert torch.equal(expected["lm_head.weight"], hf["lm_head.weight"])
+
+
+def test_index_keyed_optimizer_state_converts_to_dcp_with_a_warning(tmp_path, caplog):
+    parameter = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([parameter])
+    parameter.grad = torch.full((3,), 0.5)
+    optimizer.step()
+    torch.save({"model": {"w": parameter.detach()}, "optimizer": optimizer.state_dict()}, tmp_path / "plain.ckpt")
+    with caplog.at_level(logging.WARNING, logger="fabric_hsdp"):
+        convert_checkpoint(tmp_path / "plain.ckpt", tmp_path / "dcp")
+    assert "keyed by parameter index" in caplog.text
+    with open_checkpoint(tmp_path / "dcp") as source:
+        state = source.extras()["optimizer"]["state"]
+    assert list(state) == ["0"]
+    assert torch.equal(state["0"]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])

@@ -266,3 +266,20 @@ def test_truncated_dcp_data_file(tmp_path, state_dict):
         for name in source:
             source.read(name)
     shutil.rmtree(tmp_path / "dcp")
+
+
+def test_read_into_a_given_tensor(tmp_path, state_dict):
+    torch.save(state_dict, tmp_path / "a.pth")
+    torch.save(state_dict, tmp_path / "b.pth")
+    torch_save_to_dcp(tmp_path / "b.pth", tmp_path / "dcp")
+    for path in ("a.pth", "dcp"):
+        with open_checkpoint(tmp_path / path) as source:
+            out = torch.empty(12, 8)
+            assert source.read("layers.0.mlp.weight_t", out=out) is out
+            assert torch.equal(out, state_dict["layers.0.mlp.weight_t"])
+            with pytest.raises(ValueError, match=r"out= for tensor 'embed.weight' must be .* \[16, 8\] .* float32"):
+                source.read("embed.weight", out=torch.empty(16, 8, dtype=torch.float16))
+            lazy = source.lazy_tensors()["embed.weight"]
+            target = torch.empty(16, 8)
+            assert lazy.materialize(out=target) is target
+            assert torch.equal(target, state_dict["embed.weight"])
