@@ -277,7 +277,10 @@ def test_read_into_a_given_tensor(tmp_path, state_dict):
             out = torch.empty(12, 8)
             assert source.read("layers.0.mlp.weight_t", out=out) is out
             assert torch.equal(out, state_dict["layers.0.mlp.weight_t"])
-            with pytest.raises(ValueError, match=r"out= for tensor 'embed.weight' must be .* \[16, 8\] .* float32"):
+            with pytest.raises(
+                ValueError,
+                match=r"'embed.weight' must be .* \[16, 8\] and dtype torch.float32, got \[16, 8\] torch.float16",
+            ):
                 source.read("embed.weight", out=torch.empty(16, 8, dtype=torch.float16))
             lazy = source.lazy_tensors()["embed.weight"]
             target = torch.empty(16, 8)
