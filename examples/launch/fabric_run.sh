@@ -20,7 +20,7 @@
 #   node 0, open in its firewall). Node 0 waits until all nodes have joined.
 set -euo pipefail
 : "${NODE_RANK:?set NODE_RANK (0 on the main node)}"
-: "${MAIN_ADDRESS:?set MAIN_ADDRESS to node 0's address}"
+: "${MAIN_ADDRESS:?set MAIN_ADDRESS to the address of node 0}"
 MAIN_PORT=${MAIN_PORT:-29400}
 NUM_NODES=${NUM_NODES:-2}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
