@@ -4,7 +4,7 @@ Under ``empty_init=True`` every *parameter* is moved to the meta device as soon 
 building a 70B model costs no memory and no init time. Buffers are left alone: they are small, and non-persistent
 ones (RoPE ``inv_freq``, ``cos``/``sin`` caches) are computed in ``__init__`` from values that a meta tensor would
 lose. After sharding, each rank allocates only its local shards on its own device and runs ``reset_parameters()``
-of the modules that owned meta parameters, as Lightning does.
+of the modules that owned meta parameters, as Lightning does (Hugging Face models: the root's ``_init_weights``).
 """
 
 from __future__ import annotations
@@ -61,11 +61,15 @@ def materialize_local_shards(module: nn.Module, device: torch.device) -> None:
     module.to_empty(device=device)
     for sub, name, buffer in saved_buffers:
         sub._buffers[name] = buffer.to(device)
+    # Hugging Face models initialise submodules through the root's `_init_weights(submodule)` instead.
+    hf_init = getattr(module, "_init_weights", None)
     uninitialized = set()
     for sub in owners:
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()
+        elif callable(hf_init):
+            hf_init(sub)
         else:
             uninitialized.add(type(sub).__name__)
     if uninitialized:

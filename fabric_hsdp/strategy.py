@@ -412,8 +412,14 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """Release the sharded modules' FSDP state, destroy the process group, then the plugins' teardown."""
         self._sharded.release_and_destroy()
-        super().teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        # Not super().teardown(): it would touch `checkpoint_io`, which this strategy does not have.
+        self.precision.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
 
     @property
     def precision_name(self) -> str:

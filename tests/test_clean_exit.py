@@ -9,6 +9,7 @@ pytestmark = pytest.mark.slow
 RUNS = 20
 
 
+@pytest.mark.timeout(1200)  # 20 launches; each has its own 120 s limit
 def test_twenty_consecutive_launches_exit_cleanly():
     failures = []
     for run in range(RUNS):

@@ -20,6 +20,7 @@ def test_hsdp_mesh_placements_and_meta_init(kind):
         assert facts["mesh_coordinate"] == facts["coordinates"] == (rank // 2, rank % 2)
         assert facts["on_meta_before"] and facts["buffers_real_before"]
         assert facts["all_dtensor"] and facts["shards_finite"]
+        assert len(facts["norms_are_ones"]) == 5 and all(facts["norms_are_ones"])  # 2 per layer + final norm
         assert set(facts["placements"].values()) == {("R", "S(0)")}
         for name, shape in facts["global_shapes"].items():
             assert facts["local_shapes"][name] == (shape[0] // 2, *shape[1:]), name
@@ -71,6 +72,7 @@ def test_bf16_mixed_computes_in_bf16_over_fp32_shards():
         assert facts["master_dtypes"] == ["torch.float32"]
         assert facts["optimizer_state_dtypes"] == ["torch.float32"]
         assert all(0 < loss < 10 for loss in facts["losses"])
+        assert facts["initialized_after_teardown"] is False
 
 
 def test_one_rank_failing_setup_fails_all_ranks_fast():

@@ -113,18 +113,17 @@ def load_into_model(
     """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring)."""
     validate_load_mode(load_mode)
     targets = module.state_dict()
-    result = LoadResult()
     if load_mode == "rank0":
-        _load_from_rank0(path, targets, result, strict, key_map, weights_only)
-    elif load_mode == "turns":
-        turns = -(-ranks_per_node // max(1, turn_size))
-        for turn in range(turns):
-            with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
-                if local_rank // max(1, turn_size) == turn:
-                    _load_slices(path, targets, result, strict, key_map, weights_only)
-    else:
+        return _load_from_rank0(path, targets, strict, key_map, weights_only)
+    if load_mode == "slice":
         with fail_together(f"loading '{path}'"):
-            _load_slices(path, targets, result, strict, key_map, weights_only)
+            return _load_slices(path, targets, strict, key_map, weights_only)
+    turns = -(-ranks_per_node // max(1, turn_size))
+    result = LoadResult()
+    for turn in range(turns):
+        with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
+            if local_rank // max(1, turn_size) == turn:
+                result = _load_slices(path, targets, strict, key_map, weights_only)
     return result
 
 
@@ -140,11 +139,10 @@ def _progress(source: CheckpointSource, names: list[str], what: str) -> Any:
 def _load_slices(
     path: Path,
     targets: dict[str, torch.Tensor],
-    result: LoadResult,
     strict: bool,
     key_map: KeyMapSpec,
     weights_only: bool,
-) -> None:
+) -> LoadResult:
     with open_checkpoint(path, weights_only=weights_only) as source:
         match, mismatched = plan_keys(source, targets, key_map, strict)
         names = [k for k in match.mapping if k not in mismatched]
@@ -157,22 +155,16 @@ def _load_slices(
                     piece = source.read_slice(match.mapping[model_key], box)
                     local.copy_(piece.view(local.shape))
                 bar.update(source.tensor_info(match.mapping[model_key]).nbytes)
-        result.loaded, result.missing, result.unexpected, result.mismatched = (
-            names,
-            match.missing,
-            match.unexpected,
-            mismatched,
-        )
+        return LoadResult(names, match.missing, match.unexpected, mismatched)
 
 
 def _load_from_rank0(
     path: Path,
     targets: dict[str, torch.Tensor],
-    result: LoadResult,
     strict: bool,
     key_map: KeyMapSpec,
     weights_only: bool,
-) -> None:
+) -> LoadResult:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rank = dist.get_rank()
@@ -204,12 +196,7 @@ def _load_from_rank0(
     finally:
         if source is not None:
             source.close()
-    result.loaded, result.missing, result.unexpected, result.mismatched = (
-        names,
-        match.missing,
-        match.unexpected,
-        mismatched,
-    )
+    return LoadResult(names, match.missing, match.unexpected, mismatched)
 
 
 def load_optimizer_from_extras(

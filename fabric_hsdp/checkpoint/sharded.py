@@ -84,11 +84,7 @@ def save_sharded(path: Path, state: dict[str, Any], broadcast: Callable[[Any], A
             commit.remove_leftovers(path)  # the staging directory; the previous checkpoint at `path` is untouched
         raise
     if rank == 0:
-        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        seconds = time.monotonic() - started
-        _logger.info(
-            "fabric_hsdp: saved '%s': %.1f MB in %.2f s (%.0f MB/s)", path, size / 1e6, seconds, size / 1e6 / seconds
-        )
+        _log_throughput("saved", path, time.monotonic() - started)
 
 
 def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
@@ -141,6 +137,7 @@ def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: 
                 f"checkpoint '{path}' has no entry {missing[0]!r} (it holds {sorted(saved_keys)}). Use the keys it was"
                 " saved with, e.g. state={'model': model, 'optimizer': optimizer}."
             )
+    started = time.monotonic()
     planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
     model_state = {model_key: get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=str(path), planner=planner)
@@ -153,7 +150,16 @@ def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: 
     meta = torch.load(meta_file, weights_only=weights_only is not False) if meta_file.exists() else {}
     _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
     _move_state_into(source=meta, destination=state, keys=set(plain))
+    if dist.get_rank() == 0:
+        _log_throughput("loaded", path, time.monotonic() - started)
     return meta
+
+
+def _log_throughput(verb: str, path: Path, seconds: float) -> None:
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    _logger.info(
+        "fabric_hsdp: %s '%s': %.1f MB in %.2f s (%.0f MB/s)", verb, path, size / 1e6, seconds, size / 1e6 / seconds
+    )
 
 
 def is_sharded_checkpoint(path: Path, model_key: str) -> bool:

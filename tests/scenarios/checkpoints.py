@@ -27,6 +27,15 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     }
 
 
+def _expected_state(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """Full model and optimizer state plus the scheduler's, gathered on every rank (the gathers are collectives)."""
+    return {
+        "model": full_state(model.module),
+        "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
+        "scheduler": scheduler.state_dict(),
+    }
+
+
 def _setup(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int = 0) -> tuple[Any, Any, Any]:
     with fabric.init_module(empty_init=empty_init):
         model = build(kind, seed=seed)
@@ -59,11 +68,7 @@ def save(
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, state_dict_type=state_dict_type)
     model, optimizer, scheduler = _setup(fabric, empty_init=False)
     _train(fabric, model, optimizer, scheduler, steps=2)
-    expected = {
-        "model": full_state(model.module),
-        "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
-        "scheduler": scheduler.state_dict(),
-    }
+    expected = _expected_state(model, optimizer, scheduler)
     path = Path(out) / name
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "hi"}
     fabric.save(path, {"model": model} if model_only else state)
@@ -117,11 +122,7 @@ def save_with_lightning(num_nodes: int, devices: int, out: str) -> dict:
     fabric.launch()
     model, optimizer, scheduler = _setup(fabric, empty_init=False)
     _train(fabric, model, optimizer, scheduler, steps=2)
-    expected = {
-        "model": full_state(model.module),
-        "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
-        "scheduler": scheduler.state_dict(),
-    }
+    expected = _expected_state(model, optimizer, scheduler)
     fabric.save(Path(out) / "ckpt", {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2})
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")

@@ -23,6 +23,12 @@ def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str
     buffers_real_before = all(not b.is_meta for b in model.buffers())
     model = fabric.setup_module(model)
     shards_finite = all(torch.isfinite(p.to_local()).all().item() for p in model.parameters())
+    # initialised by reset_parameters() (or Hugging Face's _init_weights), not left as uninitialised memory
+    norms_are_ones = [
+        bool((sub.weight.to_local() == 1).all())
+        for sub in model.module.modules()
+        if "Norm" in type(sub).__name__ and getattr(sub, "weight", None) is not None
+    ]
     copy_full_into(model, reference.state_dict())
     mesh = fabric.strategy.device_mesh
     params = dict(model.module.named_parameters())
@@ -40,6 +46,7 @@ def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str
         "global_shapes": {name: tuple(p.shape) for name, p in params.items()},
         "devices": {str(p.to_local().device) for p in params.values()},
         "shards_finite": shards_finite,
+        "norms_are_ones": norms_are_ones,
         "buffers_equal": {
             name: torch.equal(buffer.cpu(), reference_buffers[name]) for name, buffer in model.module.named_buffers()
         },
@@ -143,7 +150,9 @@ def mixed_precision(num_nodes: int, devices: int) -> dict[str, Any]:
         optimizer.zero_grad()
         losses.append(loss.item())
     handle.remove()
+    fabric.strategy.teardown()
     return {
+        "initialized_after_teardown": dist.is_initialized(),
         "compute_dtypes": [str(d) for d in compute_dtypes],
         "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "optimizer_state_dtypes": sorted(
