@@ -23,9 +23,12 @@ nesting recorded in its metadata):
   ``extras()`` (optimizer state, step, ...);
 * anything else is an error that names the file and what it holds.
 
-Tensors are always read to CPU, whatever device they were saved from. Reads are positioned reads into a fresh
-tensor, so a conversion holds about one tensor in memory at a time. ``weights_only=True`` (the default) unpickles
-with torch's safe loader; ``weights_only=False`` is an explicit opt-in for trusted files and logs a warning.
+Tensors are always read to CPU, whatever device they were saved from. Torch and safetensors files are read with
+positioned reads at offsets taken from their headers, into a fresh tensor or one given with ``out=``, so a
+conversion holds about one tensor in memory (an mmap would keep every page it touched resident). ``read_slice``
+reads only the requested rows there; for DCP it reads the whole tensor and slices it. ``weights_only=True`` (the
+default) unpickles with torch's safe loader; ``weights_only=False`` is an explicit opt-in for trusted files and
+logs a warning.
 """
 
 from __future__ import annotations
@@ -236,8 +239,15 @@ class CheckpointSource(ABC):
         return self._info(name)
 
     def read(self, name: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read model tensor ``name``: into ``out`` if given (contiguous, CPU, same shape and dtype), else into a new
-        CPU tensor owned by the caller. Returns the tensor read."""
+        """Read model tensor ``name`` into a new CPU tensor owned by the caller, or into ``out``.
+
+        Args:
+            name: one of :meth:`keys`.
+            out: a contiguous CPU tensor of the tensor's shape and dtype to read into (e.g. a reused buffer).
+
+        Returns:
+            The tensor read (``out`` when given).
+        """
         self._check_name(name)
         if out is not None:
             info = self._info(name)

@@ -57,22 +57,23 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
-def _fsync_tree(path: Path) -> None:
-    paths = [path] if path.is_file() else [Path(root) / name for root, _, names in os.walk(path) for name in names]
-    for file in paths:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and directory under a directory (so the names are durable too)."""
+    if not path.is_dir():
+        _fsync(path)
+        return
+    for root, _, names in os.walk(path):
+        for name in names:
+            _fsync(Path(root) / name)
+        _fsync(Path(root))
 
 
 def _remove(path: Path) -> None:
@@ -125,7 +126,7 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
                 os.rename(backup, dest)
                 backup = None
             raise
-        _fsync_dir(parent)
+        _fsync(parent)
     finally:
         _remove(staging)
         if backup is not None:
