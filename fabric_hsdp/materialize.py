@@ -10,12 +10,20 @@ of the modules that owned meta parameters, as Lightning does (Hugging Face model
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_warn
 from torch import nn
+
+from fabric_hsdp.topology import REPLICATE_DIM, SHARD_DIM
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 _META = torch.device("meta")
 
@@ -38,15 +46,50 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def _initialize(module: nn.Module, owners: list[nn.Module]) -> set[str]:
+    """Run each owner's ``reset_parameters()``; returns the classes that have no way to initialise themselves."""
+    # Hugging Face models initialise submodules through the root's `_init_weights(submodule)` instead.
+    hf_init = getattr(module, "_init_weights", None)
+    uninitialized = set()
+    for sub in owners:
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        elif callable(hf_init):
+            hf_init(sub)
+        else:
+            uninitialized.add(type(sub).__name__)
+    return uninitialized
+
+
+def make_replicas_identical(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Broadcast every local shard from the first replica along ``replicate``.
+
+    Replicas must start from identical shards, but ranks seeded differently (``seed_everything(seed + rank)``) build
+    or initialise different weights; FSDP2 does not synchronise them. Costs one shard per rank, once.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if mesh.size(0) == 1:
+        return
+    group = mesh.get_group(REPLICATE_DIM)
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            dist.broadcast(local, group=group, group_src=0)
+
+
 def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
 
 
-def materialize_local_shards(module: nn.Module, device: torch.device) -> None:
+def materialize_local_shards(module: nn.Module, device: torch.device, mesh: DeviceMesh) -> None:
     """Allocate the meta parameters' local shards on ``device`` and initialise them with ``reset_parameters()``.
 
     Real buffers keep their values (``to_empty`` would replace them with uninitialised memory); only modules that
-    owned meta tensors are re-initialised.
+    owned meta tensors are re-initialised. On CUDA, DTensor's random ops give each shard its own part of one random
+    stream. On CPU they draw from each rank's own generator, so every shard peer would draw the *same* numbers (each
+    full parameter its first shard repeated): there each shard index gets its own seed, derived from rank 0's.
     """
     if not has_meta_tensors(module):
         return
@@ -61,17 +104,15 @@ def materialize_local_shards(module: nn.Module, device: torch.device) -> None:
     module.to_empty(device=device)
     for sub, name, buffer in saved_buffers:
         sub._buffers[name] = buffer.to(device)
-    # Hugging Face models initialise submodules through the root's `_init_weights(submodule)` instead.
-    hf_init = getattr(module, "_init_weights", None)
-    uninitialized = set()
-    for sub in owners:
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        elif callable(hf_init):
-            hf_init(sub)
-        else:
-            uninitialized.add(type(sub).__name__)
+    if device.type == "cpu":
+        seed = [torch.initial_seed()]
+        dist.broadcast_object_list(seed, src=0)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+            torch.manual_seed(seed[0] + 1 + mesh.get_local_rank(SHARD_DIM))
+            uninitialized = _initialize(module, owners)
+    else:
+        uninitialized = _initialize(module, owners)
     if uninitialized:
         rank_zero_warn(
             "Parameter initialization incomplete: these modules hold parameters or buffers on the meta device but"

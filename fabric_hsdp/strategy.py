@@ -39,7 +39,7 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_full, save_sharded, split_state
-from fabric_hsdp.materialize import materialize_local_shards, parameters_on_meta
+from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.sharding import (
     ModulePolicy,
     ShardingPlan,
@@ -200,6 +200,12 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.parallel_devices is not None and self.local_rank >= len(self.parallel_devices):
+            raise ValueError(
+                f"This process has LOCAL_RANK={self.local_rank}, but Fabric(devices={len(self.parallel_devices)}) knows"
+                f" only {len(self.parallel_devices)} device(s) per node. Pass devices= equal to the processes the"
+                " launcher starts per node (torchrun --nproc-per-node, srun --ntasks-per-node, fabric run --devices)."
+            )
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         self._setup_distributed()
         self._topology = Topology.resolve(self._shard_size, self.num_nodes, self.num_processes, self.world_size)
@@ -223,7 +229,8 @@ class HybridFSDPStrategy(ParallelStrategy):
                 offload_policy=offload_policy(self._cpu_offload),
             )
             shard_model(module, self.device_mesh, plan)
-            materialize_local_shards(module, self.root_device)
+            materialize_local_shards(module, self.root_device, self.device_mesh)
+            make_replicas_identical(module, self.device_mesh)
         self._sharded.add(module)
         return module
 

@@ -32,6 +32,14 @@ def test_hsdp_mesh_placements_and_meta_init(kind):
         assert facts["sampler"] == {"num_replicas": 4, "rank": rank}
 
 
+def test_init_gives_distinct_shards_and_identical_replicas_with_per_rank_seeds():
+    for facts in launch("tests.scenarios.core:init_consistency").check().values:
+        for case, values in facts.items():
+            assert values["halves_differ"] and values["replicas_equal"], (case, facts)
+            # nn.Linear's kaiming-uniform init of a [96, 64] weight: std = 1/sqrt(3 * 64)
+            assert values["std"] == pytest.approx(64**-0.5 / 3**0.5, rel=0.1)
+
+
 @pytest.mark.parametrize("shard_size", [4, "world"])
 def test_full_shard_over_world(shard_size):
     values = launch("tests.scenarios.core:placements", {"shard_size": shard_size}).check().values

@@ -162,6 +162,29 @@ def mixed_precision(num_nodes: int, devices: int) -> dict[str, Any]:
     }
 
 
+def init_consistency(num_nodes: int, devices: int) -> dict[str, Any]:
+    """Per-rank seeds (as in the user report): shard peers must differ, replicas must hold identical shards."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    fabric.seed_everything(100 + fabric.global_rank)
+    facts = {}
+    for case, empty_init in (("per-rank seeds, empty_init", True), ("per-rank seeds", False), ("one seed", True)):
+        # "one seed": identical generators on every rank, and shard peers must still differ
+        seed = 7 if case == "one seed" else fabric.global_rank
+        with fabric.init_module(empty_init=empty_init):
+            model = build("llama", seed=seed)
+        model = fabric.setup_module(model)
+        weight = model.module.layers[0].feed_forward.w1.weight  # [96, 64]: local shards of 48 rows
+        full = weight.full_tensor()
+        shards = [torch.empty_like(weight.to_local()) for _ in range(fabric.world_size)]
+        dist.all_gather(shards, weight.to_local().contiguous())
+        facts[case] = {
+            "halves_differ": not torch.equal(full[:48], full[48:]),
+            "replicas_equal": torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3]),
+            "std": full.std().item(),
+        }
+    return facts
+
+
 def train_and_exit(num_nodes: int, devices: int) -> dict[str, Any]:
     """A script that does nothing special: train a step and let the interpreter exit."""
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
