@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
@@ -297,9 +297,8 @@ class _StreamingSavePlanner(DefaultSavePlanner):
     resolves item ``i + 1`` only after item ``i`` is written.
     """
 
-    def __init__(self, producers: dict[str, Any], on_tensor: Callable[[int], None] | None, path: Path) -> None:
+    def __init__(self, producers: dict[str, Any], on_tensor: Callable[[int], None] | None) -> None:
         super().__init__(flatten_state_dict=True)
-        self._path = path
         self._producers = producers
         self._on_tensor = on_tensor
         self._written: torch.Tensor | None = None
@@ -316,8 +315,6 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         self.release()
-        for data_file in self._path.glob("*.distcp"):  # what FileSystemWriter wrote so far: let the disk start on it
-            _io.start_writeback(data_file)
         value = self._producers[write_item.index.fqn]
         if isinstance(value, LazyTensor):
             tensor, owned = value.materialize(out=self._scratch.take(value.shape, value.dtype)), False
@@ -335,6 +332,19 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         return tensor
 
 
+class _DirectFileSystem(FileSystem):
+    """DCP's local filesystem, writing files through :class:`~fabric_hsdp.checkpoint._io.DirectFileWriter`."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _io.DirectFileWriter(path) as stream:
+            yield stream
+
+
 def save_streaming(state: dict[str, Any], path: Path, on_tensor: Callable[[int], None] | None = None) -> None:
     """``dcp.save`` of a nested state dict whose tensors may be LazyTensor, holding about one tensor in memory."""
     producers: dict[str, Any] = {}
@@ -344,8 +354,9 @@ def save_streaming(state: dict[str, Any], path: Path, on_tensor: Callable[[int],
         return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
 
     skeleton = map_tensors(state, placeholder)
-    planner = _StreamingSavePlanner(producers, on_tensor, path)
+    planner = _StreamingSavePlanner(producers, on_tensor)
     writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
+    writer.fs = _DirectFileSystem()
     try:
         with _dcp_call():
             dcp.save(skeleton, storage_writer=writer, planner=planner, no_dist=True)

@@ -1,18 +1,25 @@
-"""Positioned reads of raw tensor bytes into caller-owned CPU tensors.
+"""Low-level I/O for checkpoints: positioned reads into caller-owned tensors, and page-cache-bypassing writes.
 
-Every reader in this package ends here once it knows where a tensor's bytes start in a file. Reading with
-``os.preadv`` into a fresh tensor keeps resident memory at the size of that tensor: the page cache that the kernel
-fills is not charged to the process, whereas touching an ``mmap`` of the file grows RssFile up to the file size.
+Readers end here once they know where a tensor's bytes start in a file. Reading with ``os.preadv`` into a fresh
+tensor keeps resident memory at the size of that tensor: the page cache that the kernel fills is not charged to the
+process, whereas touching an ``mmap`` of the file grows RssFile up to the file size. Writers write through
+:class:`DirectFileWriter`, which skips the page cache (see there).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import functools
+import io
 import math
+import mmap
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -181,3 +188,114 @@ def read_box(
         block = read_tensor(fd, offset + row * row_bytes, [block_end - row, *shape[1:]], dtype, file_name=file_name)
         out[row - first_row : block_end - first_row] = block[(slice(None), *inner)]
     return out
+
+
+class DirectFileWriter(io.RawIOBase):
+    """A write-only file that bypasses the page cache (``O_DIRECT``), writing on a thread while the caller works.
+
+    Writing through the page cache costs a page allocation and copy per 4 KiB and then the same bytes again at
+    ``fsync``; on the machine this was measured on that ran at 0.5-0.7 GB/s, ``O_DIRECT`` at 2+ GB/s, and it leaves
+    the page cache to the caller's other work. Data is copied into one of two 16 MiB page-aligned buffers; a full
+    buffer is written by a background thread while the caller fills the other, so reading the next tensor overlaps
+    with the disk. The unaligned tail is written without ``O_DIRECT`` on :meth:`close`. Where the filesystem refuses
+    ``O_DIRECT`` the writer falls back to plain writes and asks the kernel to start writeback after each buffer.
+
+    ``flush()`` does not wait for the disk: everything is written by ``close()``; fsync after it for durability.
+    """
+
+    BLOCK = 16 << 20
+    _ALIGN = 4096
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__()
+        self._path = path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        try:
+            self._fd = os.open(path, flags | direct, 0o644)
+            self._direct = bool(direct)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            self._fd, self._direct = os.open(path, flags, 0o644), False
+        self._buffers = [memoryview(mmap.mmap(-1, self.BLOCK)) for _ in range(2)]
+        self._current = 0
+        self._fill = 0
+        self._position = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fabric-hsdp-writer")
+        self._pending: Future | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self._position + self._fill
+
+    def flush(self) -> None:
+        pass
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size, done = view.nbytes, 0
+        while done < size:
+            buffer = self._buffers[self._current]
+            take = min(self.BLOCK - self._fill, size - done)
+            buffer[self._fill : self._fill + take] = view[done : done + take]
+            self._fill += take
+            done += take
+            if self._fill == self.BLOCK:
+                self._submit()
+        return size
+
+    def _submit(self) -> None:
+        """Hand the full current buffer to the writing thread and go on in the other one."""
+        self._wait()
+        self._pending = self._pool.submit(self._write_all, self._buffers[self._current][: self._fill])
+        self._position += self._fill
+        self._current ^= 1
+        self._fill = 0
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write_all(self, view: memoryview) -> None:
+        done = 0
+        while done < view.nbytes:
+            try:
+                done += os.write(self._fd, view[done:])
+            except OSError as error:
+                if error.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._drop_direct()  # the filesystem took the flag at open but refuses O_DIRECT writes
+        if not self._direct:
+            start_writeback(self._path)
+
+    def _drop_direct(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._direct = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._wait()
+            if self._fill:
+                buffer = self._buffers[self._current]
+                aligned = self._fill // self._ALIGN * self._ALIGN if self._direct else self._fill
+                if aligned:
+                    self._write_all(buffer[:aligned])
+                if self._fill > aligned:
+                    self._drop_direct()
+                    self._write_all(buffer[aligned : self._fill])
+                self._position += self._fill
+                self._fill = 0
+        finally:
+            self._pool.shutdown(wait=True)
+            os.close(self._fd)
+            self._buffers = []  # the mmaps are unmapped once the last view of them is gone
+            super().close()
