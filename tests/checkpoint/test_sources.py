@@ -1,12 +1,17 @@
+import dataclasses
 import json
 import logging
 import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fabric_hsdp.checkpoint import TensorInfo, open_checkpoint
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
@@ -286,3 +291,45 @@ def test_read_into_a_given_tensor(tmp_path, state_dict):
             target = torch.empty(16, 8)
             assert lazy.materialize(out=target) is target
             assert torch.equal(target, state_dict["embed.weight"])
+
+
+class _TwoChunkPlanner(DefaultSavePlanner):
+    """Saves ``model.w`` as two chunks along ``dim``, as two ranks sharding it would (a single process can't)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = [item for item in plan.items if item.index.fqn != "model.w"]
+        whole = next(item for item in plan.items if item.index.fqn == "model.w")
+        size = list(whole.tensor_data.size)
+        for start, length in ((0, 3), (3, size[self.dim] - 3)):
+            offsets, sizes = [0] * len(size), list(size)
+            offsets[self.dim], sizes[self.dim] = start, length
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            data = TensorWriteData(chunk=chunk, properties=whole.tensor_data.properties, size=whole.tensor_data.size)
+            items.append(WriteItem(MetadataIndex("model.w", chunk.offsets), WriteItemType.SHARD, tensor_data=data))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        if write_item.index.fqn != "model.w":
+            return super().resolve_data(write_item)
+        chunk = write_item.tensor_data.chunk
+        return self.state_dict["model.w"].narrow(self.dim, chunk.offsets[self.dim], chunk.sizes[self.dim])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("dim", [0, 1])
+def test_dcp_tensor_saved_in_several_chunks(tmp_path, dim):
+    weight = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    writer = dcp.FileSystemWriter(tmp_path / "chunked")
+    dcp.save(
+        {"model": {"w": weight, "b": torch.ones(2)}}, storage_writer=writer, planner=_TwoChunkPlanner(dim), no_dist=True
+    )
+    with open_checkpoint(tmp_path / "chunked") as source:
+        assert len(source.chunks("w")) == 2
+        assert torch.equal(source.read("w"), weight)
+        assert torch.equal(source.read_slice("w", (slice(2, 5), slice(1, 4))), weight[2:5, 1:4])
