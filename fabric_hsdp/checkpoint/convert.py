@@ -196,7 +196,9 @@ def convert_checkpoint(
                     dest, tensors, extras=extras, model_key=model_key, overwrite=overwrite, on_tensor=bar.update
                 )
             else:
-                sidecars = _hf_sidecars(source) if dest.suffix != ".safetensors" else {}
+                # configs and tokenizer files travel with the weights only from a Hugging Face directory
+                from_hf = checkpoint.format.startswith("hf-")
+                sidecars = _hf_sidecars(source) if from_hf and dest.suffix != ".safetensors" else {}
                 write_safetensors(
                     dest,
                     tensors,

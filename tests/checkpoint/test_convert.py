@@ -204,3 +204,10 @@ def test_index_keyed_optimizer_state_converts_to_dcp_with_a_warning(tmp_path, ca
         state = source.extras()["optimizer"]["state"]
     assert list(state) == ["0"]
     assert torch.equal(state["0"]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_dcp_to_hugging_face_directory_carries_no_dcp_files(tmp_path, state_dict):
+    torch.save(state_dict, tmp_path / "model.pth")
+    convert_checkpoint(tmp_path / "model.pth", tmp_path / "dcp")
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "hf", to="safetensors")
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
