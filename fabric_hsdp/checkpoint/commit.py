@@ -52,7 +52,7 @@ def commit(staged: Path, path: Path) -> None:
     directory entries so the rename cannot be persisted before them.
     """
     if staged.is_dir():
-        _fsync_dir(staged)
+        _fsync(staged)
     if not os.path.lexists(path):
         os.rename(staged, path)
     elif _exchange(staged, path):
@@ -62,7 +62,7 @@ def commit(staged: Path, path: Path) -> None:
         os.rename(path, parked)
         os.rename(staged, path)
         _remove(parked)
-    _fsync_dir(path.parent)
+    _fsync(path.parent)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -123,7 +123,8 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

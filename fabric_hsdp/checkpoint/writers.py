@@ -39,6 +39,7 @@ import torch
 
 from fabric_hsdp.checkpoint._io import DirectFileWriter, ScratchBuffer, release_freed_memory
 from fabric_hsdp.checkpoint._safetensors import SAFETENSORS_DTYPES
+from fabric_hsdp.checkpoint.commit import _fsync, _remove, commit
 from fabric_hsdp.checkpoint.sources import LazyTensor, map_tensors, materialize
 
 _logger = logging.getLogger("fabric_hsdp")
@@ -62,14 +63,6 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     """fsync a file, or every file and directory under a directory (so the names are durable too)."""
     if not path.is_dir():
@@ -79,13 +72,6 @@ def _fsync_tree(path: Path) -> None:
         for name in names:
             _fsync(Path(root) / name)
         _fsync(Path(root))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -109,7 +95,6 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
         raise FileNotFoundError(f"cannot write '{dest}': directory '{parent}' does not exist")
     staging = parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
     staging.mkdir()
-    backup = None
     try:
         try:
             yield staging / dest.name
@@ -121,21 +106,9 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
         if not (result.exists() or result.is_symlink()):
             raise RuntimeError(f"nothing was written for '{dest}'")
         _fsync_tree(result)
-        if dest.exists() or dest.is_symlink():
-            backup = parent / f".{dest.name}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(dest, backup)
-        try:
-            os.rename(result, dest)
-        except BaseException:
-            if backup is not None:
-                os.rename(backup, dest)
-                backup = None
-            raise
-        _fsync(parent)
+        commit(result, dest)  # one rename, or one atomic exchange with the dest it replaces
     finally:
         _remove(staging)
-        if backup is not None:
-            _remove(backup)
 
 
 def _entries(tensors: TensorsArg) -> list[tuple[str, TensorLike]]:
