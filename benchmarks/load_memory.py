@@ -1,0 +1,399 @@
+"""Memory and time of loading a consolidated (raw) state dict into a meta-initialised sharded model, per rank.
+
+The file is ``torch.save`` of a flat fp32 state dict of the LLaMA-shaped model from ``config_for_parameters(125)``
+(126M parameters, 504 MB; largest tensor the 32000 x 512 embedding, 62.5 MiB). On 2 simulated nodes x 2 CPU ranks,
+each variant runs in fresh processes: build the model under ``fabric.init_module(empty_init=True)``,
+``fabric.setup_module``, then load the file:
+
+* ``slice`` / ``turns`` / ``rank0``: ``HybridFSDPStrategy(load_mode=...)`` and ``fabric.load_raw(path, model)``;
+* ``lightning``: Lightning's ``ModelParallelStrategy`` (``fully_shard`` each layer + root over its data-parallel
+  mesh, FSDP over the 4 ranks) and ``fabric.load_raw(path, model)``: Lightning's current best for a raw file
+  (``torch.load(mmap=True)`` on every rank, then ``set_model_state_dict(broadcast_from_rank0=True)`` per tensor);
+* ``naive``: what users did before (see /work/shared/seeds): ``torch.load(path, map_location="cpu")`` on every rank,
+  then ``set_model_state_dict(model, state, full_state_dict=True)`` (each rank keeps its slice), under our strategy;
+* ``turns-legacy``: ``load_mode="turns"`` on the same state dict saved in torch's legacy (non-zip) format, the case
+  turns exist for: such a file cannot be read piecewise, so each reader holds all of it during its turn;
+* ``lightning-hsdp`` (only with ``--variants``): Lightning's ``load_raw`` with ``fully_shard`` over its whole 2 x 2
+  mesh (HSDP, our topology).
+
+Memory, per rank, relative to the process's own value just before the load call: a background thread reads
+``/proc/self/status`` every 5 ms (``RssAnon``, ``RssFile``, ``RssShmem``); "peak anon" is the largest ``RssAnon``
+seen minus the one just before. Anonymous memory has no kernel high-water mark, hence the sampling; it is exact
+as long as the sampler gets the GIL, which the loaders release in their reads and copies. "Peak RSS" (anonymous
+plus file pages, e.g. an mmap of the checkpoint) is exact: ``VmHWM`` after writing ``5`` to ``/proc/self/clear_refs``
+just before the load, minus ``VmRSS`` then; the sampled anon+file+shmem peak is printed next to it to show how
+closely the sampler tracks the true peak. The page cache is dropped before each variant (root only) so reads are
+cold. Every load is checked value-exact against the file afterwards.
+
+Targets:
+
+* ``slice``: peak anon per rank <= 1.1 x its own shard + the largest tensor + 96 MiB; wall time (slowest rank)
+  <= 0.5 x Lightning's.
+* ``turns`` (and ``turns-legacy``): never more than one reader's copy per node: the ranks of a node read one after
+  another (their read intervals, recorded around our ``_load_slices``, do not overlap) and the node's summed anon
+  above baseline, over time, stays within the largest single rank's peak (+10% + 8 MiB for sampling jitter). The
+  table also shows what each rank still held while the other rank of its node was reading.
+
+Run: ``python benchmarks/load_memory.py`` (about 2 minutes here), ``--quick`` (25M parameters, about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gc
+import math
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._harness import (  # noqa: E402 (after the sys.path line)
+    MIB,
+    RANKS_PER_NODE,
+    VariantFailed,
+    build_model,
+    describe_config,
+    drop_page_cache,
+    machine_load,
+    make_fabric,
+    model_config,
+    release,
+    run_ranks,
+    tensor_shapes,
+    timed,
+)
+
+RANK_FUNCTION = "benchmarks.load_memory:load_and_measure"
+# name -> (label, strategy, our load_mode or None, which file)
+VARIANTS = {
+    "slice": ("ours slice", "ours", "slice", "zip"),
+    "turns": ("ours turns", "ours", "turns", "zip"),
+    "rank0": ("ours rank0", "ours", "rank0", "zip"),
+    "lightning": ("Lightning load_raw", "lightning", None, "zip"),
+    "naive": ("naive torch.load", "ours", None, "zip"),
+    "turns-legacy": ("ours turns, legacy file", "ours", "turns", "legacy"),
+    "lightning-hsdp": ("Lightning-HSDP load_raw", "lightning-hsdp", None, "zip"),
+}
+DEFAULT_VARIANTS = ("slice", "turns", "rank0", "lightning", "naive", "turns-legacy")
+SAMPLE_SECONDS = 0.005
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_status() -> dict[str, int]:
+    """``RssAnon``, ``RssFile``, ``RssShmem``, ``VmRSS`` and ``VmHWM`` of this process, in bytes."""
+    wanted = ("RssAnon", "RssFile", "RssShmem", "VmRSS", "VmHWM")
+    with open("/proc/self/status") as file:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in file if line.startswith(wanted)}
+
+
+class MemorySampler(threading.Thread):
+    """Reads ``/proc/self/status`` every ``interval`` seconds into ``samples``: (monotonic s, anon, file+shmem)."""
+
+    def __init__(self, interval: float = SAMPLE_SECONDS) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop_event = threading.Event()
+
+    def sample(self) -> None:
+        status = read_status()
+        self.samples.append((time.monotonic(), status["RssAnon"], status["RssFile"] + status["RssShmem"]))
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.sample()
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+        self.sample()
+
+
+def _record_reads(intervals: list[tuple[float, float]]) -> None:
+    """Record when this rank reads the file in our slice/turns loader (instrumentation of a private function; for
+    the other variants the whole load call counts as the read)."""
+    from fabric_hsdp.checkpoint import loading
+
+    original = loading._load_slices
+
+    def load_slices(*args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            intervals.append((started, time.monotonic()))
+
+    loading._load_slices = load_slices
+
+
+def _naive_load(path: str, model: Any) -> None:
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    set_model_state_dict(getattr(model, "module", model), state, options=StateDictOptions(full_state_dict=True))
+
+
+def _check_against_file(path: str, model: Any) -> list[str]:
+    """Names of the model tensors whose local shard differs from the file's slice (read after the measurement)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from fabric_hsdp.checkpoint.loading import local_box
+
+    expected = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+    wrong = []
+    for name, tensor in getattr(model, "module", model).state_dict().items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if name not in expected or not torch.equal(local, expected[name][local_box(tensor)]):
+            wrong.append(name)
+    return wrong
+
+
+def load_and_measure(
+    variant: str, path: str, reference: str, millions: float, num_nodes: int, devices: int
+) -> dict[str, Any]:
+    """Set up the meta-initialised model, load ``path`` the ``variant`` way, check the values against ``reference``
+    (the zip file, which can be memory-mapped); return time and memory figures."""
+    from torch.distributed.tensor import DTensor
+
+    _, strategy, load_mode, _ = VARIANTS[variant]
+    options = {"load_mode": load_mode} if load_mode else {}
+    fabric = make_fabric(strategy, num_nodes, devices, **options)
+    model = build_model(fabric, strategy, millions)
+    tensors = getattr(model, "module", model).state_dict().values()
+    shard = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+    reads: list[tuple[float, float]] = []
+    _record_reads(reads)
+    load = (lambda: _naive_load(path, model)) if variant == "naive" else (lambda: fabric.load_raw(path, model))
+
+    gc.collect()
+    fabric.barrier()
+    with open("/proc/self/clear_refs", "w") as file:
+        file.write("5")  # VmHWM := VmRSS now, so the high-water mark below is the load's
+    before = read_status()
+    sampler = MemorySampler()
+    sampler.sample()
+    sampler.start()
+    started = time.monotonic()
+    seconds, cpu, _ = timed(fabric, load)
+    ended = time.monotonic()
+    sampler.stop()
+    after = read_status()
+    fabric.barrier()
+    wrong = _check_against_file(reference, model)
+    release(fabric, [model])
+    if not reads:
+        reads = [(started, ended)]
+    return {
+        "seconds": seconds,
+        "cpu": cpu,
+        "shard": shard,
+        "before": before,
+        "after": after,
+        "peak_anon": max(anon for _, anon, _ in sampler.samples) - before["RssAnon"],
+        "peak_sampled_total": max(anon + file for _, anon, file in sampler.samples)
+        - before["RssAnon"]
+        - before["RssFile"]
+        - before["RssShmem"],
+        "peak_rss": after["VmHWM"] - before["VmRSS"],
+        "samples": [(t, anon - before["RssAnon"]) for t, anon, _ in sampler.samples],
+        "reads": reads,
+        "wrong": wrong,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _write_checkpoint(files: dict[str, Path], millions: float) -> None:
+    import torch
+
+    from examples.tiny_llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(model_config(millions))
+    torch.save(model.state_dict(), files["zip"])
+    torch.save(model.state_dict(), files["legacy"], _use_new_zipfile_serialization=False)
+    del model
+    gc.collect()
+
+
+def _node_peak(ranks: list[dict[str, Any]]) -> float:
+    """Largest sum over the ranks of one node of their anon above baseline, on the union of their sample times."""
+    times = sorted({t for rank in ranks for t, _ in rank["samples"]})
+    series = [([t for t, _ in rank["samples"]], [value for _, value in rank["samples"]]) for rank in ranks]
+    peak = 0.0
+    for t in times:
+        total = 0
+        for stamps, values in series:
+            index = bisect.bisect_right(stamps, t) - 1
+            total += values[index] if index >= 0 else 0
+        peak = max(peak, total)
+    return peak
+
+
+def _overlap(ranks: list[dict[str, Any]]) -> float:
+    """Seconds during which two ranks of a node were reading the file at the same time."""
+    intervals = sorted(interval for rank in ranks for interval in rank["reads"])
+    overlap, reach = 0.0, -math.inf
+    for start, end in intervals:
+        overlap += max(0.0, min(end, reach) - start)
+        reach = max(reach, end)
+    return overlap
+
+
+def _held_while_others_read(rank: dict[str, Any], members: list[dict[str, Any]]) -> float:
+    """Most anon above baseline ``rank`` held while another rank of its node was reading the file."""
+    others = [interval for member in members if member is not rank for interval in member["reads"]]
+    during = [value for t, value in rank["samples"] if any(start <= t <= end for start, end in others)]
+    return max(during) if during else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Per-rank time and memory of loading a raw state dict into a meta-initialised 2x2 sharded model:"
+        " our load modes vs Lightning's fabric.load_raw vs naive torch.load on every rank.",
+        epilog="Prints a per-rank table with the targets and pass/MISS per row; exits 1 if a variant fails or loads"
+        " wrong values.",
+    )
+    parser.add_argument("--quick", action="store_true", help="25M-parameter model (a smoke run of about a minute)")
+    parser.add_argument("--millions", type=float, help="model size in millions of parameters (default 125, quick 25)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but lightning-hsdp)",
+    )
+    parser.add_argument("--warm", action="store_true", help="do not drop the page cache before each variant")
+    parser.add_argument("--timeout", type=float, help="seconds per variant before its ranks are killed")
+    parser.add_argument("--dir", default="/tmp", help="where the temporary directory goes (default /tmp)")
+    args = parser.parse_args(argv)
+    args.millions = args.millions or (25.0 if args.quick else 125.0)
+    timeout = args.timeout or (240.0 if args.quick else 600.0)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+
+    work = Path(tempfile.mkdtemp(prefix="fabric_hsdp_load_mem_", dir=args.dir))
+    try:
+        files = {"zip": work / "llama.pth", "legacy": work / "llama-legacy.pth"}
+        _write_checkpoint(files, args.millions)
+        path = files["zip"]
+        shapes = tensor_shapes(args.millions)
+        largest = max(math.prod(shape) for shape in shapes.values()) * 4
+        print(
+            f"file: {path.name}, torch.save of the flat state dict, {path.stat().st_size / MIB:.1f} MiB (turns-legacy:"
+            f" the same with _use_new_zipfile_serialization=False); model {describe_config(args.millions)}"
+        )
+        print(f"machine: {machine_load()} (start)")
+        results: dict[str, list[dict[str, Any]]] = {}
+        cold: dict[str, bool] = {}
+        for variant in variants:
+            cold[variant] = False if args.warm else drop_page_cache()
+            results[variant] = run_ranks(
+                RANK_FUNCTION,
+                {
+                    "variant": variant,
+                    "path": str(files[VARIANTS[variant][3]]),
+                    "reference": str(path),
+                    "millions": args.millions,
+                },
+                timeout=timeout,
+                out_dir=work / f"launch-{variant}",
+            )
+        print(f"machine: {machine_load()} (end)")
+        return _report(results, cold, largest)
+    except VariantFailed as error:
+        print(f"FAILED: {error}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(results: dict[str, list[dict[str, Any]]], cold: dict[str, bool], largest: int) -> int:
+    if all(cold.values()):
+        print("page cache: dropped before every variant (cold reads)")
+    else:
+        print(f"page cache: dropped before {[v for v, c in cold.items() if c]} only; the others read warm")
+    wall = {variant: max(rank["seconds"] for rank in ranks) for variant, ranks in results.items()}
+    lightning_wall = wall.get("lightning")
+    print(
+        f"\n{'variant':<24}{'rank':>5}{'load s':>8}{'anon before':>12}{'peak anon':>11}{'anon after':>11}"
+        f"{'peak RSS':>10}{'(sampled)':>10}{'shard':>8}  target"
+    )
+    ok = True
+    for variant, ranks in results.items():
+        label = VARIANTS[variant][0]
+        for rank_index, rank in enumerate(ranks):
+            verdict = ""
+            retained = rank["after"]["RssAnon"] - rank["before"]["RssAnon"]
+            if variant == "slice":  # targets are for the default file
+                budget = 1.1 * rank["shard"] + largest + 96 * MIB
+                passed = rank["peak_anon"] <= budget
+                verdict = f"peak anon <= 1.1 x shard + largest + 96 MiB = {budget / MIB:.0f} MiB: "
+                verdict += "pass" if passed else "MISS"
+            print(
+                f"{label:<24}{rank_index:>5}{rank['seconds']:>8.2f}{rank['before']['RssAnon'] / MIB:>11.0f}M"
+                f"{rank['peak_anon'] / MIB:>10.0f}M{retained / MIB:>10.0f}M"
+                f"{rank['peak_rss'] / MIB:>9.0f}M"
+                f"{rank['peak_sampled_total'] / MIB:>9.0f}M{rank['shard'] / MIB:>7.0f}M  {verdict}"
+            )
+            if rank["wrong"]:
+                ok = False
+                print(f"FAILED: {VARIANTS[variant][0]} rank {rank_index} loaded wrong values into {rank['wrong'][:3]}")
+    print(
+        "(MiB; peak anon, anon after and peak RSS are over the rank's own value just before the load; peak RSS counts"
+        " file pages too, (sampled) is the thread's view of it; 'load s' is the call)"
+    )
+
+    print(f"\n{'variant':<24}{'wall s':>8}{'vs Lightning':>14}  target")
+    for variant, seconds in wall.items():
+        ratio = seconds / lightning_wall if lightning_wall else float("nan")
+        verdict = ""
+        if variant == "slice" and lightning_wall:
+            verdict = f"<= 0.5 x Lightning: {'pass' if ratio <= 0.5 else 'MISS'}"
+        print(f"{VARIANTS[variant][0]:<24}{seconds:>8.2f}{ratio:>13.2f}x  {verdict}")
+    print("(wall s: the slowest rank's load call)")
+
+    turns = [variant for variant in results if VARIANTS[variant][2] == "turns"]
+    if turns:
+        print(
+            f"\n{'turns, per node':<30}{'node peak':>10}{'one reader':>11}{'overlap s':>10}  target: one reader's copy"
+            " per node (no overlap, node peak <= 1.1 x one reader + 8 MiB)"
+        )
+    for variant in turns:
+        ranks = results[variant]
+        for node in range(len(ranks) // RANKS_PER_NODE):
+            members = ranks[node * RANKS_PER_NODE : (node + 1) * RANKS_PER_NODE]
+            node_peak = _node_peak(members)
+            reader = max(rank["peak_anon"] for rank in members)
+            overlap = _overlap(members)
+            passed = overlap == 0 and node_peak <= 1.1 * reader + 8 * MIB
+            first = node * RANKS_PER_NODE
+            held = ", ".join(
+                f"rank {first + i}: {_held_while_others_read(r, members) / MIB:.0f}M" for i, r in enumerate(members)
+            )
+            print(
+                f"{VARIANTS[variant][0] + ', node ' + str(node):<30}{node_peak / MIB:>9.0f}M{reader / MIB:>10.0f}M"
+                f"{overlap:>10.2f}  {'pass' if passed else 'MISS'} (held while the other reads: {held})"
+            )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
