@@ -16,6 +16,9 @@ class PeerRankError(RuntimeError):
 def fail_together(what: str) -> Iterator[None]:
     """Run the body on every rank, then exchange outcomes so a failure anywhere ends every rank at once.
 
+    The body must not run collectives itself: a rank that fails early would meet its peers' collective with this
+    exchange and all would hang.
+
     The rank that failed re-raises its own exception; the others raise ``PeerRankError`` naming the failed ranks and
     their messages, instead of blocking in the next collective until its timeout.
     """

@@ -229,8 +229,9 @@ class HybridFSDPStrategy(ParallelStrategy):
                 offload_policy=offload_policy(self._cpu_offload),
             )
             shard_model(module, self.device_mesh, plan)
-            materialize_local_shards(module, self.root_device, self.device_mesh)
-            make_replicas_identical(module, self.device_mesh)
+        # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
+        materialize_local_shards(module, self.root_device, self.device_mesh)
+        make_replicas_identical(module, self.device_mesh)
         self._sharded.add(module)
         return module
 
