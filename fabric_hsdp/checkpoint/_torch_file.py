@@ -178,6 +178,9 @@ class TorchFileSource(CheckpointSource):
         return self._read_stored(self._stored[name], out)
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        if self._legacy:  # already in memory: copy just the box, not the whole tensor and then the box
+            box = _io.normalize_index(index, self._tensors[name].shape, name)
+            return self._tensors[name][tuple(slice(start, stop) for start, stop in box)].clone()
         stored = self._stored.get(name)
         if stored is None or not stored.contiguous or self._byteswap:
             return super()._read_slice(name, index)

@@ -27,6 +27,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint._io import release_freed_memory
 from fabric_hsdp.checkpoint.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
 from fabric_hsdp.checkpoint.sources import CheckpointSource, TensorInfo, open_checkpoint
 
@@ -124,6 +125,9 @@ def load_into_model(
         with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
             if local_rank // max(1, turn_size) == turn:
                 result = _load_slices(path, targets, strict, key_map, weights_only)
+                # glibc keeps what the reader freed in its heap; hand it back before the next turn starts, or a node
+                # holds two readers' worth at once (measured by benchmarks/load_memory.py).
+                release_freed_memory()
     return result
 
 
