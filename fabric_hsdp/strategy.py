@@ -367,7 +367,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
             )
         model_key, model, optimizers, plain = split_state(state)
-        if is_sharded_checkpoint(path, model_key):
+        if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
             return load_sharded(path, state, strict=strict, weights_only=weights_only)
         self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
         requested, remainder = restore_extras(

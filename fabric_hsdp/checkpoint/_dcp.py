@@ -27,6 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StorageInfo
@@ -72,9 +73,31 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
+_metadata_cache: dict[tuple, dcp_metadata.Metadata] = {}
+_METADATA_CACHE_SIZE = 4
+
+
 def read_metadata(path: Path, *, weights_only: bool = True) -> dcp_metadata.Metadata:
-    """Read a DCP directory's ``.metadata``; with ``weights_only`` only DCP's own metadata classes are unpickled."""
+    """Read a DCP directory's ``.metadata``; with ``weights_only`` only DCP's own metadata classes are unpickled.
+
+    A load checks, plans and reads with the same metadata, which for a large model is a pickle of several MB; the
+    last few are kept, keyed by the file's identity (device, inode, size, mtime), so a rewritten checkpoint is read
+    anew. Callers must not modify the returned object.
+    """
     file = path / ".metadata"
+    try:
+        stat = os.stat(file)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"'{path}' is not a DCP checkpoint: it has no '.metadata' file") from None
+    key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, weights_only)
+    if key not in _metadata_cache:
+        if len(_metadata_cache) >= _METADATA_CACHE_SIZE:
+            del _metadata_cache[next(iter(_metadata_cache))]
+        _metadata_cache[key] = _read_metadata_file(file, weights_only)
+    return _metadata_cache[key]
+
+
+def _read_metadata_file(file: Path, weights_only: bool) -> dcp_metadata.Metadata:
     try:
         with open(file, "rb") as stream:
             metadata = _MetadataUnpickler(stream).load() if weights_only else pickle.load(stream)
@@ -150,6 +173,29 @@ class _SingleCopyReader(FileSystemReader):
                 chunk = chunk.narrow(dim, offset, length)
             target.copy_(chunk)
         planner.commit_tensor(item, target)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, unpickling non-tensor entries with ``torch.load(weights_only=...)``.
+
+    Torch's planner always unpickles them with ``weights_only=False``; optimizer ``param_groups`` (numbers, bools,
+    tuples) load fine with the safe loader.
+    """
+
+    def __init__(self, *, weights_only: bool, allow_partial_load: bool = False) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self._weights_only = weights_only
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=self._weights_only)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"checkpoint entry {fqn!r} holds objects that safe loading refuses ({str(error).splitlines()[0]})."
+                " If you trust this checkpoint, pass weights_only=False."
+            ) from None
+        set_element(self.original_state_dict, self.mappings[fqn], loaded)
 
 
 class _SafeBytesPlanner(DefaultLoadPlanner):

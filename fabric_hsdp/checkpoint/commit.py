@@ -79,9 +79,9 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, f"could not swap '{first}' into '{second}': {os.strerror(code)}")
 
 
-def check_complete_dcp(path: Path) -> None:
+def check_complete_dcp(path: Path, *, weights_only: bool = True) -> None:
     """Raise ``FileNotFoundError``/``ValueError`` naming what is missing if ``path`` is not a whole DCP checkpoint."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from fabric_hsdp.checkpoint._dcp import read_metadata
 
     if not path.exists():
         hint = ""
@@ -97,7 +97,7 @@ def check_complete_dcp(path: Path) -> None:
             + (f" (but {len(shards)} shard file(s), e.g. '{shards[0]}')" if shards else "")
             + ". It was not written by a finished save; load the previous checkpoint instead."
         )
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(path, weights_only=weights_only)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

@@ -126,10 +126,14 @@ def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: 
         set_optimizer_state_dict,
     )
 
+    from fabric_hsdp.checkpoint._dcp import SafeLoadPlanner, _SingleCopyReader, read_metadata
+
+    safe = weights_only is not False
     with fail_together(f"opening checkpoint '{path}'"):
-        commit.check_complete_dcp(path)
+        commit.check_complete_dcp(path, weights_only=safe)
+        metadata = read_metadata(path, weights_only=safe)
         model_key, model, optimizers, plain = split_state(state)
-        saved_keys = _top_level_keys(path)
+        saved_keys = _top_level_keys(metadata)
         wanted = [model_key, *optimizers]
         missing = [key for key in wanted if key not in saved_keys]
         if missing:
@@ -138,16 +142,17 @@ def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: 
                 " saved with, e.g. state={'model': model, 'optimizer': optimizer}."
             )
     started = time.monotonic()
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
-    model_state = {model_key: get_model_state_dict(model)}
-    dcp.load(model_state, checkpoint_id=str(path), planner=planner)
-    set_model_state_dict(model, model_state[model_key], options=StateDictOptions(strict=strict))
+    # one read of the model and every optimizer: DCP plans once and each rank reads each file once
+    tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
-        optimizer_state = {key: get_optimizer_state_dict(model, optimizer)}
-        dcp.load(optimizer_state, checkpoint_id=str(path), planner=planner)
-        set_optimizer_state_dict(model, optimizer, optimizer_state[key])
+        tensors[key] = get_optimizer_state_dict(model, optimizer)
+    planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
+    dcp.load(tensors, storage_reader=_SingleCopyReader(path, metadata), planner=planner)
+    set_model_state_dict(model, tensors[model_key], options=StateDictOptions(strict=strict))
+    for key, optimizer in optimizers.items():
+        set_optimizer_state_dict(model, optimizer, tensors[key])
     meta_file = path / META_FILE
-    meta = torch.load(meta_file, weights_only=weights_only is not False) if meta_file.exists() else {}
+    meta = torch.load(meta_file, weights_only=safe) if meta_file.exists() else {}
     _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
     _move_state_into(source=meta, destination=state, keys=set(plain))
     if dist.get_rank() == 0:
@@ -162,19 +167,22 @@ def _log_throughput(verb: str, path: Path, seconds: float) -> None:
     )
 
 
-def is_sharded_checkpoint(path: Path, model_key: str) -> bool:
+def is_sharded_checkpoint(path: Path, model_key: str, *, weights_only: bool = True) -> bool:
     """A DCP directory (or a broken one) with ``model_key`` entries: loaded with resharding, not as a raw source."""
+    from fabric_hsdp.checkpoint._dcp import read_metadata
+
     if not path.is_dir() or (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return False
     if not (path / ".metadata").is_file():
         return any(path.glob("*.distcp"))  # an interrupted save: load_sharded names what is missing
-    return model_key in _top_level_keys(path)
+    try:
+        metadata = read_metadata(path, weights_only=weights_only)
+    except ValueError:
+        return True  # load_sharded reports why its metadata cannot be read
+    return model_key in _top_level_keys(metadata)
 
 
-def _top_level_keys(path: Path) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(path)).read_metadata()
+def _top_level_keys(metadata: Any) -> set[str]:
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     return {mapping[fqn][0] if fqn in mapping else fqn.split(".")[0] for fqn in metadata.state_dict_metadata}
 
