@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import logging
+import os
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -10,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -36,6 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.background import BackgroundSave
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_full, save_sharded, split_state
@@ -51,6 +56,8 @@ from fabric_hsdp.sharding import (
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry
 from fabric_hsdp.topology import ShardSize, Topology, validate_shard_size
+
+_logger = logging.getLogger("fabric_hsdp")
 
 
 def _validate_state_dict_type(state_dict_type: str) -> str:
@@ -85,6 +92,12 @@ class HybridFSDPStrategy(ParallelStrategy):
             parallel, each replicated shard once; or ``"full"``, one consolidated file written by rank 0 gathering one
             tensor at a time (``.pth`` in Fabric's layout, or ``.safetensors`` for the model alone). A path ending in
             ``.safetensors`` is always saved full.
+        async_save: Write sharded checkpoints in the background: ``fabric.save`` returns once every rank has copied
+            its shards to CPU memory (one extra copy of the local shards while the write runs), and training goes on
+            while DCP writes them. The checkpoint appears at its path atomically when written everywhere, as with a
+            blocking save. The next save or load, ``wait_for_checkpoint()`` and ``teardown()`` wait for it and raise
+            its failure on every rank; at interpreter exit a pending save is finished, and a failed one exits with
+            status 1. Full checkpoints are always written before ``fabric.save`` returns.
         load_mode: How ``fabric.load``/``fabric.load_raw`` read a consolidated file (a raw state dict, a Fabric full
             checkpoint, safetensors, a Hugging Face directory): ``"slice"`` (default: every rank reads only its own
             shard's elements), ``"turns"`` (the local ranks of a node read one after another, ``load_turn_size`` at a
@@ -109,6 +122,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         activation_checkpointing: ModulePolicy | None = None,
         cpu_offload: bool | Any = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        async_save: bool = False,
         load_mode: LoadMode = "slice",
         load_turn_size: int = 1,
         process_group_backend: str | None = None,
@@ -130,6 +144,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
+        self._async_save = async_save
+        self._background_group: Any = None  # gloo group for DCP's collectives while saving in the background
+        self._pending_save: BackgroundSave | None = None
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._process_group_backend = process_group_backend
@@ -210,7 +227,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._setup_distributed()
         self._topology = Topology.resolve(self._shard_size, self.num_nodes, self.num_processes, self.world_size)
         self._device_mesh = self._topology.build_mesh(self.root_device.type)
-        atexit.register(self._sharded.release_and_destroy)
+        if self._async_save:
+            self._background_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        atexit.register(self._end_of_process)
         rank_zero_info(f"HybridFSDPStrategy: {self._topology.describe()}")
 
     @override
@@ -333,11 +352,21 @@ class HybridFSDPStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint() takes no storage_options: it writes DCP itself.")
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support `filter=` when saving.")
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(Path(path).absolute()))
         if self._state_dict_type == "full" or path.suffix == ".safetensors":
             save_full(path, state)
         else:
-            save_sharded(path, state, self.broadcast)
+            self._pending_save = save_sharded(path, state, self.broadcast, background_group=self._background_group)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a save running in the background (``async_save=True``) is committed; raise its failure.
+
+        Call it on every rank. Saves, loads and ``teardown()`` call it themselves.
+        """
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
 
     @override
     def load_checkpoint(
@@ -358,6 +387,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 f"{type(self).__name__}.load_checkpoint needs the objects to restore, e.g."
                 " fabric.load(path, {'model': model, 'optimizer': optimizer}) or fabric.load_raw(path, model)."
             )
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(Path(path).absolute()))
         if isinstance(state, Module):
             self.load_raw(path, state, strict=strict, weights_only=weights_only is not False)
@@ -420,8 +450,13 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Release the sharded modules' FSDP state, destroy the process group, then the plugins' teardown."""
-        self._sharded.release_and_destroy()
+        """Finish a background save, release the sharded modules' FSDP state, destroy the process group, then the
+        plugins' teardown."""
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self._background_group = None
+            self._sharded.release_and_destroy()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         # Not super().teardown(): it would touch `checkpoint_io`, which this strategy does not have.
@@ -433,6 +468,22 @@ class HybridFSDPStrategy(ParallelStrategy):
     def precision_name(self) -> str:
         """Fabric's precision string for this run (``"32-true"`` when no plugin has been set)."""
         return getattr(self.precision, "precision", "32-true")
+
+    def _end_of_process(self) -> None:
+        """At interpreter exit: finish a background save, then release the modules and the process group."""
+        pending, self._pending_save = self._pending_save, None
+        failed = False
+        if pending is not None:
+            try:
+                pending.wait(together=False)  # the other ranks may be gone: no collective here
+            except RuntimeError as error:
+                _logger.error("fabric_hsdp: %s", error)
+                failed = True
+        self._background_group = None
+        self._sharded.release_and_destroy()
+        if failed:
+            sys.stderr.flush()
+            os._exit(1)  # a checkpoint the script asked for was not written: the exit status must say so
 
     def _setup_distributed(self) -> None:
         reset_seed()

@@ -108,15 +108,18 @@ def test_safetensors_refuses_optimizer_state(tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
-def test_killed_saves_leave_old_or_new_checkpoint(tmp_path):
+def _killed_saves(tmp_path, runs, async_save):
     from tests.helpers.dcp_read import read_model_tensors
 
     outcomes = []
-    for run in range(10):
+    for run in range(runs):
         out = tmp_path / f"run{run}"
         out.mkdir()
         result = launch(
-            "tests.scenarios.checkpoints:save_then_killed", {"out": str(out), "seed": run}, timeout=120, fail_grace=5
+            "tests.scenarios.checkpoints:save_then_killed",
+            {"out": str(out), "seed": run, "async_save": async_save},
+            timeout=120,
+            fail_grace=5,
         )
         assert not result.timed_out
         loaded = read_model_tensors(out / "ckpt")  # raises if incomplete or unreadable
@@ -128,6 +131,46 @@ def test_killed_saves_leave_old_or_new_checkpoint(tmp_path):
         outcomes.append("new" if is_new else "old")
         assert not [p for p in out.iterdir() if p.name.startswith(".ckpt.previous-")]
     print("outcomes:", outcomes)
+
+
+def test_killed_saves_leave_old_or_new_checkpoint(tmp_path):
+    _killed_saves(tmp_path, runs=10, async_save=False)
+
+
+def test_killed_background_saves_leave_old_or_new_checkpoint(tmp_path):
+    _killed_saves(tmp_path, runs=4, async_save=True)
+
+
+def test_background_save_holds_the_state_at_save_time(tmp_path):
+    result = launch(
+        "tests.scenarios.checkpoints:save_in_background",
+        {"out": str(tmp_path), "write_delay": 2.0, "wait": True},
+        timeout=120,
+    )
+    for facts in result.check().values:
+        assert facts["returned_seconds"] < 2.0, facts  # fabric.save did not wait for the (delayed) write
+        assert not facts["visible_before_written"]
+        assert facts["exists"] and facts["hidden_leftovers"] == []
+    # parameters, AdamW state and scheduler changed by the step after fabric.save are not in the checkpoint
+    for facts in launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path)}, num_nodes=1).check().values:
+        _assert_exact(facts)
+        assert facts["remainder"] == {"note": "hi"}
+
+
+def test_background_save_is_finished_when_the_script_just_ends(tmp_path):
+    from tests.helpers.dcp_read import read_model_tensors
+
+    result = launch(
+        "tests.scenarios.checkpoints:save_in_background",
+        {"out": str(tmp_path), "write_delay": 2.0, "wait": False},
+        timeout=120,
+    )
+    assert not any(facts["visible_before_written"] for facts in result.check().values)
+    loaded = read_model_tensors(tmp_path / "ckpt")
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)["model"]
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+    assert [p.name for p in tmp_path.glob(".*")] == []
 
 
 def test_incomplete_checkpoint_errors_name_what_is_missing(sharded_checkpoint, tmp_path):
@@ -157,15 +200,37 @@ def test_incomplete_checkpoint_errors_name_what_is_missing(sharded_checkpoint, t
     assert all("'__2_0.distcp' is missing" in rank.stderr for rank in result.ranks)
 
 
-def test_one_rank_failing_to_write_fails_all_and_keeps_previous(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_one_rank_failing_to_write_fails_all_and_keeps_previous(tmp_path, async_save):
     result = launch(
-        "tests.scenarios.checkpoints:fail_writing_on_one_rank", {"out": str(tmp_path), "failing_rank": 2}, timeout=120
+        "tests.scenarios.checkpoints:fail_writing_on_one_rank",
+        {"out": str(tmp_path), "failing_rank": 2, "async_save": async_save},
+        timeout=120,
     )
     values = result.check().values
     for facts in values:
         assert facts["error"] is not None and facts["seconds"] < 60
         assert f"'{tmp_path / 'ckpt'}'" in facts["error"]
         assert "rank 2: PermissionError" in facts["error"], facts["error"]
+    from tests.helpers.dcp_read import read_model_tensors
+
+    loaded = read_model_tensors(tmp_path / "ckpt")
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_background_save_failing_after_the_script_ended_exits_1(tmp_path):
+    result = launch(
+        "tests.scenarios.checkpoints:fail_writing_on_one_rank",
+        {"out": str(tmp_path), "failing_rank": 2, "async_save": True, "wait": False},
+        timeout=120,
+    )
+    assert not result.timed_out
+    assert result.returncodes == [1, 1, 1, 1], [rank.stderr[-2000:] for rank in result.ranks]
+    for rank in result.ranks:
+        assert rank.value == {"error": None, "seconds": rank.value["seconds"]}  # the scenario itself returned
+        assert f"saving checkpoint '{tmp_path / 'ckpt'}' failed (rank 2: PermissionError" in rank.stderr
     from tests.helpers.dcp_read import read_model_tensors
 
     loaded = read_model_tensors(tmp_path / "ckpt")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint import commit
+from fabric_hsdp.checkpoint import background, commit
 from fabric_hsdp.checkpoint.sources import LazyTensor
 
 _logger = logging.getLogger("fabric_hsdp")
@@ -56,8 +56,14 @@ def _plain_values(plain: dict[str, Any]) -> dict[str, Any]:
     return {key: value.state_dict() if isinstance(value, _Stateful) else value for key, value in plain.items()}
 
 
-def save_sharded(path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any]) -> None:
-    """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished."""
+def save_sharded(
+    path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any], background_group: Any = None
+) -> background.BackgroundSave | None:
+    """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
+
+    With ``background_group`` (a gloo process group for DCP's own collectives) the shards are copied to CPU memory
+    and written from a thread: the returned save is committed when done; ``wait()`` on it raises its failure.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_key, model, optimizers, plain = split_state(state)
@@ -68,14 +74,17 @@ def save_sharded(path: Path, state: dict[str, Any], broadcast: Callable[[Any], A
         if rank == 0:
             commit.remove_leftovers(path)
             staged.mkdir(parents=True)
+            _save_meta(_plain_values(plain), staged / META_FILE)
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     try:
+        if background_group is not None:
+            with fail_together(f"starting to save checkpoint '{path}' in the background"):
+                pending = background.start(tensors, staged, path, background_group, started)
+            return pending
         with fail_together(f"saving checkpoint '{path}'"):
             _save_dcp(tensors, staged, path)
-            if rank == 0:
-                _save_meta(_plain_values(plain), staged / META_FILE)
         with fail_together(f"committing checkpoint '{path}'"):
             if rank == 0:
                 commit.commit(staged, path)
@@ -85,6 +94,7 @@ def save_sharded(path: Path, state: dict[str, Any], broadcast: Callable[[Any], A
         raise
     if rank == 0:
         _log_throughput("saved", path, time.monotonic() - started)
+    return None
 
 
 def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
@@ -94,14 +104,7 @@ def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
     try:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staged)))
     except CheckpointException as error:
-        failures = getattr(error, "failures", {}) or {}
-        # DCP records each failure as (exception, traceback)
-        causes = {rank: cause[0] if isinstance(cause, tuple) else cause for rank, cause in failures.items()}
-        details = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(causes.items()))
-        raise RuntimeError(
-            f"saving checkpoint '{path}' failed ({details or error}). Nothing was written at '{path}'; the previous"
-            " checkpoint there, if any, is intact."
-        ) from None
+        raise background.save_error(error, path) from None
 
 
 def _save_meta(values: dict[str, Any], file: Path) -> None:

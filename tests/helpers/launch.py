@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,4 +142,6 @@ def launch(
         result.ranks.append(RankResult(global_rank, process.returncode, stdout.read(), stderr.read(), value))
         stdout.close()
         stderr.close()
+    if out_dir is None:
+        shutil.rmtree(workdir, ignore_errors=True)  # everything it held is in `result` now
     return result

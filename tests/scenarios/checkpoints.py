@@ -129,15 +129,50 @@ def save_with_lightning(num_nodes: int, devices: int, out: str) -> dict:
     return {}
 
 
-def save_then_killed(num_nodes: int, devices: int, out: str, seed: int) -> dict:
+def save_in_background(num_nodes: int, devices: int, out: str, write_delay: float, wait: bool) -> dict:
+    """async_save: save after 2 steps, then train on while the write (held back by ``write_delay`` s) runs.
+
+    The checkpoint must hold the state of the moment ``fabric.save`` was called, not the later one. With ``wait``
+    False the script ends right after training: the exit handler must finish and commit the save.
+    """
+    from torch.distributed.checkpoint import filesystem
+
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, async_save=True)
+    model, optimizer, scheduler = _setup(fabric, empty_init=False)
+    _train(fabric, model, optimizer, scheduler, steps=2)
+    expected = _expected_state(model, optimizer, scheduler)
+    if fabric.global_rank == 0:
+        torch.save(expected, Path(out) / "expected.pt")
+    write_data = filesystem.FileSystemWriter.write_data
+
+    def late_write_data(self: Any, plan: Any, planner: Any) -> Any:
+        time.sleep(write_delay)  # in DCP's writing thread: training below changes the parameters meanwhile
+        return write_data(self, plan, planner)
+
+    filesystem.FileSystemWriter.write_data = late_write_data
+    path = Path(out) / "ckpt"
+    started = time.monotonic()
+    fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "hi"})
+    returned = time.monotonic() - started
+    visible_before_written = path.exists()
+    _train(fabric, model, optimizer, scheduler, steps=1)
+    facts = {"returned_seconds": returned, "visible_before_written": visible_before_written}
+    if wait:
+        fabric.strategy.wait_for_checkpoint()
+        facts.update(exists=path.exists(), hidden_leftovers=sorted(p.name for p in Path(out).glob(".*")))
+    return facts
+
+
+def save_then_killed(num_nodes: int, devices: int, out: str, seed: int, async_save: bool = False) -> dict:
     """Save A, train, then save B over it while a random rank SIGKILLs itself at a random moment of that save."""
-    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, async_save=async_save)
     model, optimizer, scheduler = _setup(fabric, empty_init=False)
     path = Path(out) / "ckpt"
     state = {"model": model, "optimizer": optimizer, "step": 1}
     _train(fabric, model, optimizer, scheduler, steps=1)
     started = time.monotonic()
     fabric.save(path, state)
+    fabric.strategy.wait_for_checkpoint()
     seconds = time.monotonic() - started
     expected_a = full_state(model.module)  # gathers are collectives: every rank takes part
     _train(fabric, model, optimizer, scheduler, steps=1)
@@ -152,22 +187,26 @@ def save_then_killed(num_nodes: int, devices: int, out: str, seed: int) -> dict:
     if fabric.global_rank == victim:
         threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     fabric.save(path, state)
+    fabric.strategy.wait_for_checkpoint()
     fabric.barrier()
     if fabric.global_rank == victim:
         time.sleep(delay + 1)  # the kill is still due: die as promised
     return {"victim": victim, "delay": delay, "save_seconds": seconds}
 
 
-def fail_writing_on_one_rank(num_nodes: int, devices: int, out: str, failing_rank: int) -> dict:
+def fail_writing_on_one_rank(
+    num_nodes: int, devices: int, out: str, failing_rank: int, async_save: bool = False, wait: bool = True
+) -> dict:
     """Save once; then one rank's disk refuses writes (permission denied) during the next save."""
     import errno
 
     from torch.distributed.checkpoint import filesystem
 
-    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, async_save=async_save)
     model, optimizer, scheduler = _setup(fabric, empty_init=False)
     path = Path(out) / "ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    fabric.strategy.wait_for_checkpoint()
     expected = full_state(model.module)
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")
@@ -181,6 +220,9 @@ def fail_writing_on_one_rank(num_nodes: int, devices: int, out: str, failing_ran
     started = time.monotonic()
     try:
         fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+        if not wait:
+            return {"error": None, "seconds": time.monotonic() - started}  # the script ends with the save pending
+        fabric.strategy.wait_for_checkpoint()  # a background save's failure is raised here
     except Exception as error:
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
     return {"error": None, "seconds": time.monotonic() - started}
