@@ -398,7 +398,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             )
         model_key, model, optimizers, plain = split_state(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
-            return load_sharded(path, state, strict=strict, weights_only=weights_only)
+            return load_sharded(path, state, strict=strict, weights_only=weights_only, mesh=self.device_mesh)
         self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
         requested, remainder = restore_extras(
             path, model, optimizers, set(plain), strict=strict, weights_only=weights_only is not False

@@ -38,6 +38,36 @@ def test_resharded_load_is_exact(sharded_checkpoint, nodes, per_node):
         assert facts["remainder"] == {"note": "hi"}
 
 
+def test_hsdp_replicas_each_read_a_part_of_their_shards(sharded_checkpoint):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(sharded_checkpoint / "ckpt")).read_metadata()
+    tensor_bytes = sum(
+        entry.size.numel() * entry.properties.dtype.itemsize
+        for entry in metadata.state_dict_metadata.values()
+        if isinstance(entry, TensorStorageMetadata)
+    )
+    result = launch("tests.scenarios.checkpoints:load_counting_reads", {"out": str(sharded_checkpoint)})
+    values = result.check().values
+    for facts in values:
+        _assert_exact(facts)
+        # each rank reads about a quarter (its shard is half, and it shares that half with its replica)
+        assert 0.2 * tensor_bytes < facts["bytes_read"] < 0.3 * tensor_bytes, (facts["bytes_read"], tensor_bytes)
+    # all ranks together read the checkpoint about once, not once per replica (2x); AdamW's scalar steps are read
+    # whole by every rank
+    assert sum(facts["bytes_read"] for facts in values) < 1.05 * tensor_bytes
+
+
+def test_replica_split_maps_each_rank_to_its_rows():
+    values = launch("tests.scenarios.checkpoints:split_parts").check().values
+    for facts in values:
+        replica, shard = facts["coordinate"]
+        assert facts["part_offset_rows"] == shard * 4 + replica * 2 and facts["part_rows"] == 2, facts
+        assert facts["uneven_kept"] and facts["splits"] == 1
+        assert facts["restored_is_original"] and facts["shard_after_gather_exact"]
+
+
 def test_each_replicated_shard_is_written_once(sharded_checkpoint):
     expected = torch.load(sharded_checkpoint / "expected.pt", weights_only=False)
     model_bytes = sum(t.numel() * t.element_size() for t in expected["model"].values())

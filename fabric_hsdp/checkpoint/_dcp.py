@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -162,9 +163,17 @@ class _SingleCopyReader(FileSystemReader):
         start = info.offset + stored.untyped_storage()._checkpoint_offset
         fd = stream.fileno()
         target = planner.resolve_tensor(item).detach()
-        whole = list(item.lengths) == list(stored.shape) and not any(item.storage_offsets)
-        if whole and stored.is_contiguous() and target.is_contiguous() and target.dtype == stored.dtype:
-            _io.readinto(fd, target, start + stored.storage_offset() * stored.element_size(), file_name=file_name)
+        offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(stored.shape)
+        # the wanted box is one contiguous run of the stored bytes when at most its first dim is partial (a
+        # Shard(0) piece: rows); then only those bytes are read
+        rows = stored.is_contiguous() and offsets[1:] == [0] * len(offsets[1:]) and lengths[1:] == shape[1:]
+        if rows:
+            first = stored.storage_offset() + (offsets[0] * math.prod(shape[1:]) if shape else 0)
+            byte_offset = start + first * stored.element_size()
+            if target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored.dtype:
+                _io.readinto(fd, target, byte_offset, file_name=file_name)
+            else:  # another device or dtype: through one CPU buffer of the box
+                target.copy_(_io.read_tensor(fd, byte_offset, lengths, stored.dtype, file_name=file_name))
         else:
             nbytes = stored.untyped_storage().nbytes()
             raw = _io.read_tensor(fd, start, [nbytes], torch.uint8, file_name=file_name)

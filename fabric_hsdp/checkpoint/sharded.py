@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint import background, commit
+from fabric_hsdp.checkpoint import background, commit, replica_split
 from fabric_hsdp.checkpoint.sources import LazyTensor
 
 _logger = logging.getLogger("fabric_hsdp")
@@ -114,8 +114,13 @@ def _save_meta(values: dict[str, Any], file: Path) -> None:
         os.fsync(stream.fileno())
 
 
-def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None) -> dict[str, Any]:
+def load_sharded(
+    path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None, mesh: Any = None
+) -> dict[str, Any]:
     """Restore the model, optimizers and plain values of ``state`` in place from a DCP directory, on any topology.
+
+    With the strategy's ``mesh``, HSDP replicas each read a ``1/R`` part of their shards and all-gather the rest
+    (:mod:`fabric_hsdp.checkpoint.replica_split`).
 
     Returns:
         What the checkpoint holds beyond what ``state`` asked for (Fabric's ``load`` semantics).
@@ -149,11 +154,13 @@ def load_sharded(path: Path, state: dict[str, Any], strict: bool, weights_only: 
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
+    targets, splits = replica_split.split_for_load(tensors, mesh) if mesh is not None else (tensors, [])
     planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
-    dcp.load(tensors, storage_reader=_SingleCopyReader(path, metadata), planner=planner)
-    set_model_state_dict(model, tensors[model_key], options=StateDictOptions(strict=strict))
+    dcp.load(targets, storage_reader=_SingleCopyReader(path, metadata), planner=planner)
+    replica_split.gather_and_restore(splits, mesh)
+    set_model_state_dict(model, targets[model_key], options=StateDictOptions(strict=strict))
     for key, optimizer in optimizers.items():
-        set_optimizer_state_dict(model, optimizer, tensors[key])
+        set_optimizer_state_dict(model, optimizer, targets[key])
     meta_file = path / META_FILE
     meta = torch.load(meta_file, weights_only=safe) if meta_file.exists() else {}
     _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)

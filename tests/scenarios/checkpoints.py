@@ -239,3 +239,54 @@ def load_raw_state(num_nodes: int, devices: int, out: str, name: str) -> dict:
     actual = full_state(model.module)
     dist.barrier()
     return {"model_equal": {k: torch.equal(actual[k], v) for k, v in expected.items()}}
+
+
+def load_counting_reads(num_nodes: int, devices: int, out: str) -> dict:
+    """``load`` on this topology, counting the tensor bytes this rank reads from the checkpoint's files."""
+    from fabric_hsdp.checkpoint import _io
+
+    counted = {"bytes": 0}
+    readinto = _io.readinto  # every read of tensor bytes ends here
+
+    def counting_readinto(fd: int, target: torch.Tensor, offset: int, **kw: Any) -> None:
+        counted["bytes"] += target.nbytes
+        readinto(fd, target, offset, **kw)
+
+    _io.readinto = counting_readinto
+    facts = load(num_nodes, devices, out)
+    return dict(facts, bytes_read=counted["bytes"])
+
+
+def split_parts(num_nodes: int, devices: int) -> dict:
+    """What each rank of a 2 x 2 mesh reads of two (Replicate, Shard(0)) tensors, and what the gather puts back."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from fabric_hsdp.checkpoint.replica_split import gather_and_restore, split_for_load
+
+    fabric = make_fabric(num_nodes, devices)
+    mesh = fabric.strategy.device_mesh
+    even = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)  # 8 rows: 4 parts of 2
+    uneven = torch.arange(6 * 2, dtype=torch.float32).view(6, 2)  # 6 rows do not split into 4 parts
+    placements = [Replicate(), Shard(0)]
+    state = {
+        "model": {"even": DTensor.from_local(even.chunk(2)[mesh.get_local_rank(1)].clone(), mesh, placements)},
+        "other": [{"uneven": DTensor.from_local(uneven.chunk(2)[mesh.get_local_rank(1)].clone(), mesh, placements)}],
+    }
+    targets, splits = split_for_load(state, mesh)
+    part = targets["model"]["even"]
+    facts = {
+        "coordinate": mesh.get_coordinate(),
+        "part_offset_rows": part.__create_chunk_list__()[0].offsets[0],  # where DCP reads this rank's part from
+        "part_rows": part.to_local().shape[0],
+        "uneven_kept": targets["other"][0]["uneven"] is state["other"][0]["uneven"],
+        "splits": len(splits),
+    }
+    # as a load would: this rank's part holds its rows, the rest of the shard is stale until the gather
+    whole = state["model"]["even"].to_local()
+    whole.zero_()
+    offset = facts["part_offset_rows"]
+    part.to_local().copy_(even[offset : offset + facts["part_rows"]])
+    gather_and_restore(splits, mesh)
+    facts["restored_is_original"] = targets["model"]["even"] is state["model"]["even"]
+    facts["shard_after_gather_exact"] = torch.equal(whole, even.chunk(2)[mesh.get_local_rank(1)])
+    return facts
