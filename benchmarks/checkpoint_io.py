@@ -5,6 +5,9 @@ real training step, so ``exp_avg``/``exp_avg_sq`` add 1 GB; 1.51 GB on disk) on 
 (gloo). Variants, each in fresh processes:
 
 * ``ours``: ``HybridFSDPStrategy()`` (shard within a node, replicate across the 2 nodes), default sharded save;
+* ``ours-async``: the same with ``async_save=True``: the save figure is the time ``fabric.save`` blocks (shards
+  copied to CPU memory); the time until the checkpoint is committed (``wait_for_checkpoint()``) is printed below the
+  table;
 * ``lightning``: ``ModelParallelStrategy(parallelize_fn)`` with ``parallelize_fn`` = ``fully_shard`` each layer,
   then the root, over ``device_mesh["data_parallel"]``, sized ``data_parallel=4, tensor_parallel=1`` (FSDP over all
   ranks). Lightning's default sizes (data_parallel = 2 nodes, tensor_parallel = 2) would leave the TP dim unused:
@@ -61,6 +64,7 @@ from benchmarks._harness import (  # noqa: E402 (after the sys.path line)
 )
 
 RANK_FUNCTION = "benchmarks.checkpoint_io:save_and_load"
+NAMES = {**VARIANT_NAMES, "ours-async": "HybridFSDPStrategy async_save"}
 PHASES = ("save", "cold", "warm")
 SEQ_LEN = 32
 
@@ -105,7 +109,10 @@ def save_and_load(variant: str, millions: float, workdir: str, drop_cache: bool,
     """Train one step, save, drop the page cache, load twice into a fresh model; return this rank's figures."""
     import torch
 
-    fabric = make_fabric(variant, num_nodes, devices)
+    background = variant == "ours-async"
+    if background:
+        variant = "ours"
+    fabric = make_fabric(variant, num_nodes, devices, **({"async_save": True} if background else {}))
     model = build_model(fabric, variant, millions)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     _train_step(fabric, model, optimizer)
@@ -113,6 +120,8 @@ def save_and_load(variant: str, millions: float, workdir: str, drop_cache: bool,
     save_seconds, save_cpu, _ = timed(
         fabric, lambda: fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
     )
+    # async_save: fabric.save returned once the shards were copied; the write goes on until committed
+    wait_seconds, wait_cpu, _ = timed(fabric, fabric.strategy.wait_for_checkpoint) if background else (0.0, 0.0, None)
     saved_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if fabric.global_rank == 0 else 0
     dropped = drop_page_cache() if drop_cache and fabric.global_rank == 0 else False
     fabric.barrier()
@@ -130,9 +139,10 @@ def save_and_load(variant: str, millions: float, workdir: str, drop_cache: bool,
     release(fabric, [model, fresh])
     return {
         "save": save_seconds,
+        "committed": save_seconds + wait_seconds,
         "cold": cold_seconds,
         "warm": warm_seconds,
-        "cpu": {"save": save_cpu, "cold": cold_cpu, "warm": warm_cpu},
+        "cpu": {"save": save_cpu + wait_cpu, "cold": cold_cpu, "warm": warm_cpu},
         "bytes": saved_bytes,
         "dropped": dropped,
         "exact": not differ,
@@ -154,7 +164,7 @@ def _run_variant(variant: str, args: argparse.Namespace, work: Path, timeout: fl
         out_dir=work / f"launch-{variant}-{time.monotonic_ns()}",
     )
     shutil.rmtree(work / f"checkpoint-{variant}", ignore_errors=True)
-    figures = {phase: max(rank[phase] for rank in ranks) for phase in PHASES}
+    figures = {phase: max(rank[phase] for rank in ranks) for phase in (*PHASES, "committed")}
     figures.update(
         bytes=ranks[0]["bytes"],
         dropped=ranks[0]["dropped"],
@@ -181,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--variants",
-        default=",".join(VARIANT_NAMES),
-        help=f"comma-separated subset of {', '.join(VARIANT_NAMES)} (default: all; ratios need ours and an anchor)",
+        default=",".join(NAMES),
+        help=f"comma-separated subset of {', '.join(NAMES)} (default: all; ratios need ours and an anchor)",
     )
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache before the first load")
     parser.add_argument("--timeout", type=float, help="seconds per variant before its ranks are killed")
@@ -192,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = args.repeats or (1 if args.quick else 2)
     timeout = args.timeout or (300.0 if args.quick else 900.0)
     order = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not order or any(v not in VARIANT_NAMES for v in order):
-        parser.error(f"--variants takes names from {list(VARIANT_NAMES)}, got {args.variants!r}")
+    if not order or any(v not in NAMES for v in order):
+        parser.error(f"--variants takes names from {list(NAMES)}, got {args.variants!r}")
 
     work = Path(tempfile.mkdtemp(prefix="fabric_hsdp_ckpt_io_", dir=args.dir))
     try:
@@ -237,28 +247,35 @@ def _report(runs: list[tuple[str, int, dict[str, Any]]], disk: list[tuple[float,
         for phase, rate in rates.items():
             best.setdefault(variant, {})[phase] = max(best.get(variant, {}).get(phase, 0.0), rate)
         print(
-            f"{VARIANT_NAMES[variant]:<31}{repeat:>4}{figures['save']:>8.2f}{rates['save']:>7.0f}"
+            f"{NAMES[variant]:<31}{repeat:>4}{figures['save']:>8.2f}{rates['save']:>7.0f}"
             f"{figures['cold']:>12.2f}{rates['cold']:>7.0f}{figures['warm']:>12.2f}{rates['warm']:>7.0f}"
             f"  {figures['exact']}"
         )
     print("(seconds: max over the 4 ranks of the fabric.save / fabric.load call, started after a barrier)")
+    for variant, repeat, figures in runs:
+        if variant == "ours-async":
+            print(
+                f"{NAMES[variant]} run {repeat}: fabric.save returned after {figures['save']:.2f} s, the checkpoint"
+                f" was committed after {figures['committed']:.2f} s ({size / figures['committed'] / MB:.0f} MB/s)"
+            )
     print(f"\n{'CPU s, sum of 4 ranks':<31}{'run':>4}{'save':>8}{'1st load':>10}{'2nd load':>10}{'MB per rank':>13}")
     for variant, repeat, figures in runs:
         cpu = figures["cpu"]
         per_rank = max(figures["local_bytes"]) / MB
         print(
-            f"{VARIANT_NAMES[variant]:<31}{repeat:>4}{cpu['save']:>8.1f}{cpu['cold']:>10.1f}{cpu['warm']:>10.1f}"
+            f"{NAMES[variant]:<31}{repeat:>4}{cpu['save']:>8.1f}{cpu['cold']:>10.1f}{cpu['warm']:>10.1f}"
             f"{per_rank:>13.0f}"
         )
     print("(MB per rank: model + optimizer bytes one rank holds and must load; CPU s barely depend on other jobs)")
     columns = f"{'ours/Lightning':>15}{'target':>9}{'':>6}{'ours/Lightning-HSDP':>21}{'ours/disk':>11}"
     print(f"\n{'ratio of best MB/s':<20}{columns}")
-    for phase, label, limit in (
-        ("save", "save", write_limit),
-        ("cold", "1st load", read_limit),
-        ("warm", "2nd load", read_limit),
+    for variant, phase, label, limit in (
+        ("ours", "save", "save", write_limit),
+        ("ours", "cold", "1st load", read_limit),
+        ("ours", "warm", "2nd load", read_limit),
+        ("ours-async", "save", "async save returns", write_limit),
     ):
-        ours = best.get("ours", {}).get(phase, math.nan)
+        ours = best.get(variant, {}).get(phase, math.nan)
         ratio = ours / best.get("lightning", {}).get(phase, math.nan)
         hsdp = ours / best.get("lightning-hsdp", {}).get(phase, math.nan)
         verdict = "pass" if ratio >= 1.0 else "MISS" if ratio < 1.0 else "-"
@@ -269,7 +286,7 @@ def _report(runs: list[tuple[str, int, dict[str, Any]]], disk: list[tuple[float,
         if not figures["exact"]:
             differ = figures["differ"]
             print(
-                f"FAILED: {VARIANT_NAMES[variant]} run {repeat}: the load did not restore {len(differ)} saved shard(s)"
+                f"FAILED: {NAMES[variant]} run {repeat}: the load did not restore {len(differ)} saved shard(s)"
                 f" bit-exactly, e.g. {differ[:4]}",
                 file=sys.stderr,
             )

@@ -104,6 +104,10 @@ class HybridFSDPStrategy(ParallelStrategy):
             time; for files that cannot be memory-mapped) or ``"rank0"`` (only rank 0 reads, tensors are sent out one
             at a time; for a file on one machine only). Override per call with ``strategy.load_raw(...)``.
         load_turn_size: Ranks per node that read at once in ``load_mode="turns"``.
+        split_replica_reads: When loading a sharded checkpoint under HSDP, the R replicas of each shard read 1/R of
+            it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
+            once per replica, and the network carries the other copies. Worth it where the shared filesystem is
+            slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
@@ -125,6 +129,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         async_save: bool = False,
         load_mode: LoadMode = "slice",
         load_turn_size: int = 1,
+        split_replica_reads: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Accelerator | None = None,
@@ -149,6 +154,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._pending_save: BackgroundSave | None = None
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
+        self._split_replica_reads = split_replica_reads
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -398,7 +404,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             )
         model_key, model, optimizers, plain = split_state(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
-            return load_sharded(path, state, strict=strict, weights_only=weights_only, mesh=self.device_mesh)
+            split_mesh = self.device_mesh if self._split_replica_reads else None
+            return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
         self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
         requested, remainder = restore_extras(
             path, model, optimizers, set(plain), strict=strict, weights_only=weights_only is not False

@@ -28,17 +28,22 @@ def sharded_checkpoint(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (1, 1), (4, 1), (2, 2)])
-def test_resharded_load_is_exact(sharded_checkpoint, nodes, per_node):
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "split"), [(1, 2, False), (1, 1, False), (4, 1, False), (2, 2, False), (4, 1, True)]
+)
+def test_resharded_load_is_exact(sharded_checkpoint, nodes, per_node, split):
     result = launch(
-        "tests.scenarios.checkpoints:load", {"out": str(sharded_checkpoint)}, num_nodes=nodes, ranks_per_node=per_node
+        "tests.scenarios.checkpoints:load",
+        {"out": str(sharded_checkpoint), "split_replica_reads": split},
+        num_nodes=nodes,
+        ranks_per_node=per_node,
     )
     for facts in result.check().values:
         _assert_exact(facts)
         assert facts["remainder"] == {"note": "hi"}
 
 
-def test_hsdp_replicas_each_read_a_part_of_their_shards(sharded_checkpoint):
+def test_split_replica_reads_read_each_shard_once(sharded_checkpoint):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -48,15 +53,21 @@ def test_hsdp_replicas_each_read_a_part_of_their_shards(sharded_checkpoint):
         for entry in metadata.state_dict_metadata.values()
         if isinstance(entry, TensorStorageMetadata)
     )
-    result = launch("tests.scenarios.checkpoints:load_counting_reads", {"out": str(sharded_checkpoint)})
-    values = result.check().values
-    for facts in values:
-        _assert_exact(facts)
-        # each rank reads about a quarter (its shard is half, and it shares that half with its replica)
-        assert 0.2 * tensor_bytes < facts["bytes_read"] < 0.3 * tensor_bytes, (facts["bytes_read"], tensor_bytes)
-    # all ranks together read the checkpoint about once, not once per replica (2x); AdamW's scalar steps are read
-    # whole by every rank
-    assert sum(facts["bytes_read"] for facts in values) < 1.05 * tensor_bytes
+    reads = {}
+    for split in (False, True):
+        result = launch(
+            "tests.scenarios.checkpoints:load_counting_reads",
+            {"out": str(sharded_checkpoint), "split_replica_reads": split},
+        )
+        for facts in result.check().values:
+            _assert_exact(facts)
+        reads[split] = [facts["bytes_read"] for facts in result.values]
+    # by default each rank reads its half, so the two replicas together read the checkpoint twice
+    assert all(0.45 * tensor_bytes < count < 0.55 * tensor_bytes for count in reads[False]), (reads, tensor_bytes)
+    # split: each rank reads about a quarter, all together the checkpoint once (AdamW's scalar steps are read whole
+    # by every rank)
+    assert all(0.2 * tensor_bytes < count < 0.3 * tensor_bytes for count in reads[True]), (reads, tensor_bytes)
+    assert sum(reads[True]) < 1.05 * tensor_bytes
 
 
 def test_replica_split_maps_each_rank_to_its_rows():

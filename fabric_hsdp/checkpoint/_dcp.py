@@ -138,6 +138,9 @@ class _SingleCopyReader(FileSystemReader):
         for relative_path, items in by_file.items():
             file = Path(self.path) / relative_path
             with open(file, "rb") as stream:
+                for item in items:  # let the kernel read ahead everything this rank needs from the file
+                    info = self.storage_data[item.storage_index]
+                    os.posix_fadvise(stream.fileno(), info.offset, info.length, os.POSIX_FADV_WILLNEED)
                 for item in items:
                     self._read_item(stream, str(file), item, planner)
         if others:

@@ -115,12 +115,12 @@ def _save_meta(values: dict[str, Any], file: Path) -> None:
 
 
 def load_sharded(
-    path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None, mesh: Any = None
+    path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None, split_mesh: Any = None
 ) -> dict[str, Any]:
     """Restore the model, optimizers and plain values of ``state`` in place from a DCP directory, on any topology.
 
-    With the strategy's ``mesh``, HSDP replicas each read a ``1/R`` part of their shards and all-gather the rest
-    (:mod:`fabric_hsdp.checkpoint.replica_split`).
+    With ``split_mesh`` (the strategy's mesh), HSDP replicas each read a ``1/R`` part of their shards and
+    all-gather the rest (:mod:`fabric_hsdp.checkpoint.replica_split`).
 
     Returns:
         What the checkpoint holds beyond what ``state`` asked for (Fabric's ``load`` semantics).
@@ -154,10 +154,10 @@ def load_sharded(
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
-    targets, splits = replica_split.split_for_load(tensors, mesh) if mesh is not None else (tensors, [])
+    targets, splits = replica_split.split_for_load(tensors, split_mesh) if split_mesh is not None else (tensors, [])
     planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
     dcp.load(targets, storage_reader=_SingleCopyReader(path, metadata), planner=planner)
-    replica_split.gather_and_restore(splits, mesh)
+    replica_split.gather_and_restore(splits, split_mesh)
     set_model_state_dict(model, targets[model_key], options=StateDictOptions(strict=strict))
     for key, optimizer in optimizers.items():
         set_optimizer_state_dict(model, optimizer, targets[key])

@@ -78,9 +78,23 @@ def save(
     return {"exists": path.exists(), "hidden_leftovers": hidden}
 
 
-def load(num_nodes: int, devices: int, out: str, name: str = "ckpt", shard_size: Any = "node", **kw: Any) -> dict:
+def load(
+    num_nodes: int,
+    devices: int,
+    out: str,
+    name: str = "ckpt",
+    shard_size: Any = "node",
+    split_replica_reads: bool = False,
+    **kw: Any,
+) -> dict:
     """Load into a meta-initialised model on this topology and compare with expected.pt exactly."""
-    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, shard_size=shard_size)
+    fabric = make_fabric(
+        num_nodes,
+        devices,
+        sharded_modules={layer_class("llama")},
+        shard_size=shard_size,
+        split_replica_reads=split_replica_reads,
+    )
     model, optimizer, scheduler = _setup(fabric, empty_init=True, seed=99)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     remainder = fabric.load(Path(out) / name, state, **kw)
@@ -241,7 +255,7 @@ def load_raw_state(num_nodes: int, devices: int, out: str, name: str) -> dict:
     return {"model_equal": {k: torch.equal(actual[k], v) for k, v in expected.items()}}
 
 
-def load_counting_reads(num_nodes: int, devices: int, out: str) -> dict:
+def load_counting_reads(num_nodes: int, devices: int, out: str, split_replica_reads: bool) -> dict:
     """``load`` on this topology, counting the tensor bytes this rank reads from the checkpoint's files."""
     from fabric_hsdp.checkpoint import _io
 
@@ -253,7 +267,7 @@ def load_counting_reads(num_nodes: int, devices: int, out: str) -> dict:
         readinto(fd, target, offset, **kw)
 
     _io.readinto = counting_readinto
-    facts = load(num_nodes, devices, out)
+    facts = load(num_nodes, devices, out, split_replica_reads=split_replica_reads)
     return dict(facts, bytes_read=counted["bytes"])
 
 
