@@ -113,6 +113,7 @@ def main(
     grad_clip: float = 1.0,
     log_every: int = 10,
     save_every: int = 20,
+    async_save: bool = False,
     resume: bool = True,
     init_from: Path | None = None,
     load_mode: Literal["slice", "turns", "rank0"] = "slice",
@@ -139,6 +140,8 @@ def main(
         grad_clip: Clip the gradient norm to this; 0 turns clipping off.
         log_every: Print the loss every this many steps.
         save_every: Save a sharded checkpoint every this many steps (0: only at the end).
+        async_save: Write checkpoints in the background while training goes on (``fabric.save`` returns once the
+            shards are copied to CPU memory); each appears in ``out_dir`` when complete.
         resume: Resume from the newest checkpoint in ``out_dir`` if there is one.
         init_from: Consolidated weights to start from (``.pth`` state dict, ``.safetensors``, HF or DCP directory);
             ignored when resuming.
@@ -160,6 +163,7 @@ def main(
         shard_size=shard_size,
         activation_checkpointing={Block} if activation_checkpointing else None,
         load_mode=load_mode,
+        async_save=async_save,
     )
     fabric = L.Fabric(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision
@@ -204,7 +208,11 @@ def main(
         started = time.perf_counter()
         state["step"] = step
         fabric.save(path, state)
-        fabric.print(f"step {step}: saved {path} in {time.perf_counter() - started:.2f} s")
+        seconds = time.perf_counter() - started
+        if async_save:
+            fabric.print(f"step {step}: saving {path} in the background (fabric.save returned in {seconds:.2f} s)")
+        else:
+            fabric.print(f"step {step}: saved {path} in {seconds:.2f} s")
 
     if state["step"] == 0:
         fabric.print(f"step 0: val loss {evaluate(fabric, net, val_tokens, batch_size, seq_len, seed):.4f}")
@@ -232,6 +240,7 @@ def main(
     if state["step"] < max_steps:
         save(max_steps)
     fabric.print(f"done: val loss {evaluate(fabric, net, val_tokens, batch_size, seq_len, seed):.4f}")
+    strategy.wait_for_checkpoint()  # a save still in the background: committed here, or its failure raised
 
 
 @torch.no_grad()

@@ -370,9 +370,15 @@ class HybridFSDPStrategy(ParallelStrategy):
 
         Call it on every rank. Saves, loads and ``teardown()`` call it themselves.
         """
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
+        pending = self._pending_save
+        if pending is None:
+            return
+        try:
             pending.wait()
+        except Exception:
+            self._pending_save = None  # its failure is reported; an interrupt keeps it for the exit handler
+            raise
+        self._pending_save = None
 
     @override
     def load_checkpoint(
@@ -436,6 +442,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             load_mode: Overrides the strategy's ``load_mode`` for this call.
             weights_only: Unpickle with torch's safe loader; ``False`` only for trusted files.
         """
+        self.wait_for_checkpoint()
         path = Path(path)
         result = load_into_model(
             path,
@@ -489,8 +496,12 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._background_group = None
         self._sharded.release_and_destroy()
         if failed:
+            # a checkpoint the script asked for was not written: the exit status must say so. Only os._exit sets it
+            # from here; it skips the atexit handlers registered before this one, so flush what they would have.
+            logging.shutdown()
+            sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1)  # a checkpoint the script asked for was not written: the exit status must say so
+            os._exit(1)
 
     def _setup_distributed(self) -> None:
         reset_seed()

@@ -65,10 +65,14 @@ def _loss_at(step: int, output: str) -> str:
 
 @pytest.mark.slow
 def test_train_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
-    """Stopped at step 4 and started again, training reaches the same loss at step 8 as without the stop."""
+    """Stopped at step 4 and started again, training reaches the same loss at step 8 as without the stop.
+
+    The stopped run saves in the background (``--async_save``) and ends right after: the checkpoint must be whole.
+    """
     args = ["--log_every", "4", "--batch_size", "4"]
     straight = _torchrun(tmp_path / "straight", "--max_steps", "8", "--save_every", "0", *args)
-    _torchrun(tmp_path / "stopped", "--max_steps", "4", "--save_every", "0", *args)
+    stopped = _torchrun(tmp_path / "stopped", "--max_steps", "4", "--save_every", "0", "--async_save", "true", *args)
+    assert "saving" in stopped and "in the background" in stopped
     resumed = _torchrun(tmp_path / "stopped", "--max_steps", "8", "--save_every", "0", *args)
     assert "resumed from" in resumed and "step-000004 (step 4)" in resumed
     assert _loss_at(8, resumed) == _loss_at(8, straight)

@@ -74,31 +74,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
-_metadata_cache: dict[tuple, dcp_metadata.Metadata] = {}
-_METADATA_CACHE_SIZE = 4
-
-
 def read_metadata(path: Path, *, weights_only: bool = True) -> dcp_metadata.Metadata:
-    """Read a DCP directory's ``.metadata``; with ``weights_only`` only DCP's own metadata classes are unpickled.
-
-    A load checks, plans and reads with the same metadata, which for a large model is a pickle of several MB; the
-    last few are kept, keyed by the file's identity (device, inode, size, mtime), so a rewritten checkpoint is read
-    anew. Callers must not modify the returned object.
-    """
+    """Read a DCP directory's ``.metadata``; with ``weights_only`` only DCP's own metadata classes are unpickled."""
     file = path / ".metadata"
-    try:
-        stat = os.stat(file)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"'{path}' is not a DCP checkpoint: it has no '.metadata' file") from None
-    key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, weights_only)
-    if key not in _metadata_cache:
-        if len(_metadata_cache) >= _METADATA_CACHE_SIZE:
-            del _metadata_cache[next(iter(_metadata_cache))]
-        _metadata_cache[key] = _read_metadata_file(file, weights_only)
-    return _metadata_cache[key]
-
-
-def _read_metadata_file(file: Path, weights_only: bool) -> dcp_metadata.Metadata:
     try:
         with open(file, "rb") as stream:
             metadata = _MetadataUnpickler(stream).load() if weights_only else pickle.load(stream)
@@ -138,9 +116,6 @@ class _SingleCopyReader(FileSystemReader):
         for relative_path, items in by_file.items():
             file = Path(self.path) / relative_path
             with open(file, "rb") as stream:
-                for item in items:  # let the kernel read ahead everything this rank needs from the file
-                    info = self.storage_data[item.storage_index]
-                    os.posix_fadvise(stream.fileno(), info.offset, info.length, os.POSIX_FADV_WILLNEED)
                 for item in items:
                     self._read_item(stream, str(file), item, planner)
         if others:
@@ -167,16 +142,17 @@ class _SingleCopyReader(FileSystemReader):
         fd = stream.fileno()
         target = planner.resolve_tensor(item).detach()
         offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(stored.shape)
-        # the wanted box is one contiguous run of the stored bytes when at most its first dim is partial (a
-        # Shard(0) piece: rows); then only those bytes are read
-        rows = stored.is_contiguous() and offsets[1:] == [0] * len(offsets[1:]) and lengths[1:] == shape[1:]
-        if rows:
-            first = stored.storage_offset() + (offsets[0] * math.prod(shape[1:]) if shape else 0)
-            byte_offset = start + first * stored.element_size()
-            if target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored.dtype:
-                _io.readinto(fd, target, byte_offset, file_name=file_name)
-            else:  # another device or dtype: through one CPU buffer of the box
-                target.copy_(_io.read_tensor(fd, byte_offset, lengths, stored.dtype, file_name=file_name))
+        if stored.is_contiguous():  # as DCP writes them: only the wanted box is read
+            base = start + stored.storage_offset() * stored.element_size()
+            rows = offsets[1:] == [0] * len(offsets[1:]) and lengths[1:] == shape[1:]  # one contiguous run
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored.dtype
+            if rows and direct:
+                first = offsets[0] * math.prod(shape[1:]) if shape else 0
+                _io.readinto(fd, target, base + first * stored.element_size(), file_name=file_name)
+            else:  # another box, device or dtype: through a CPU buffer of the box
+                box = tuple(slice(offset, offset + length) for offset, length in zip(offsets, lengths))
+                fqn = item.storage_index.fqn
+                target.copy_(_io.read_box(fd, base, shape, stored.dtype, box, name=fqn, file_name=file_name))
         else:
             nbytes = stored.untyped_storage().nbytes()
             raw = _io.read_tensor(fd, start, [nbytes], torch.uint8, file_name=file_name)
@@ -234,10 +210,14 @@ def _dcp_call() -> Iterator[None]:
         try:
             yield
         except CheckpointException as error:
-            failures = list(error.failures.values())
-            if not failures:
-                raise
-            raise failures[0][0] from None
+            raise first_failure(error) from None
+
+
+def first_failure(error: CheckpointException) -> BaseException:
+    """The exception DCP wrapped (per rank, as ``(exception, traceback)``) in ``error``; ``error`` if none."""
+    for failure in error.failures.values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return error
 
 
 def _quiet_load(state_dict: dict[str, Any], reader: FileSystemReader, planner: LoadPlanner) -> None:

@@ -1,13 +1,16 @@
 """Sharded saves that write in the background (``async_save=True``), committed exactly like blocking ones.
 
-``dcp.async_save`` copies each rank's shards into CPU memory before it returns (so training may change the
-parameters right away), then writes them from a thread whose collectives run on a process group of their own (gloo,
-so they never interleave with training's). DCP's coordinator writes ``.metadata`` only after every rank has written
-and synced its files; when that has happened, rank 0 commits the staging directory from the writing thread with the
-same atomic swap as a blocking save (:func:`fabric_hsdp.checkpoint.commit.commit`). A failure is raised on every rank
-at the next point where all ranks meet: the next save or load, ``strategy.wait_for_checkpoint()`` or
-``teardown()``. A script that just ends lets the write finish (Python joins DCP's writing thread before running
-``atexit`` handlers); the strategy's exit handler then reports a failure and sets the exit status.
+Each rank first copies its shards into CPU memory (so training may change the parameters right away); then
+``dcp.async_save`` writes that copy from a thread whose collectives run on a process group of their own (gloo, so
+they never interleave with training's). The copy is made here, once per tensor: DCP's default staging copies a CPU
+DTensor twice (``deepcopy``, then into a fresh buffer) and moves a CUDA one to CPU before copying it again.
+
+DCP's coordinator writes ``.metadata`` only after every rank has written and synced its files; when that has
+happened, rank 0 commits the staging directory from the writing thread with the same atomic swap as a blocking save
+(:func:`fabric_hsdp.checkpoint.commit.commit`). A failure is raised on every rank at the next point where all ranks
+meet: the next save or load, ``strategy.wait_for_checkpoint()`` or ``teardown()``. A script that just ends lets the
+write finish (Python joins DCP's writing thread before running ``atexit`` handlers); the strategy's exit handler then
+reports a failure and sets the exit status.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint import commit
@@ -58,19 +63,11 @@ class BackgroundSave:
             future.result()
             if self._rank == 0:
                 commit.commit(self._staged, self.path)
-                seconds = time.monotonic() - self._started
-                size = sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
-                _logger.info(
-                    "fabric_hsdp: saved '%s' in the background: %.1f MB in %.2f s (%.0f MB/s)",
-                    self.path,
-                    size / 1e6,
-                    seconds,
-                    size / 1e6 / seconds,
-                )
+                log_throughput("saved in the background", self.path, time.monotonic() - self._started)
         except BaseException as error:  # noqa: BLE001 - kept and raised on the main thread by wait()
             self._error = error
             if self._rank == 0:
-                commit.remove_leftovers(self.path)  # the staging directory; the previous checkpoint is untouched
+                commit.discard(self._staged)  # the previous checkpoint is untouched
         finally:
             self._done.set()
 
@@ -89,9 +86,55 @@ class BackgroundSave:
             self.wait(together=False)
 
 
-def start(tensors: dict[str, Any], staged: Path, path: Path, group: Any, started: float) -> BackgroundSave:
-    """Copy ``tensors`` to CPU memory and start writing them to ``staged`` in a thread; commit to ``path`` after."""
+def log_throughput(verb: str, path: Path, seconds: float) -> None:
+    """Rank 0's line for a finished save or load: size on disk, seconds, MB/s."""
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    _logger.info(
+        "fabric_hsdp: %s '%s': %.1f MB in %.2f s (%.0f MB/s)", verb, path, size / 1e6, seconds, size / 1e6 / seconds
+    )
+
+
+def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started: float) -> BackgroundSave:
+    """Start writing ``copies`` (from :func:`copy_to_cpu`) to ``staged`` in a thread; commit it to ``path`` after."""
     import torch.distributed.checkpoint as dcp
 
-    future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(staged)), process_group=group)
+    future = dcp.async_save(
+        copies,
+        storage_writer=dcp.FileSystemWriter(str(staged)),
+        process_group=group,
+        async_stager=_AlreadyStaged(),
+    )
     return BackgroundSave(future, staged, path, started)
+
+
+def copy_to_cpu(value: Any) -> Any:
+    """A copy of a nested state dict with every tensor (a DTensor's local shard) copied to CPU memory, once."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: copy_to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_to_cpu(item) for item in value)
+    return value
+
+
+class _AlreadyStaged(AsyncStager):
+    """DCP's staging step for a state dict :func:`copy_to_cpu` already copied: hand it on as it is."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -16,6 +16,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 _logger = logging.getLogger("fabric_hsdp")
 
@@ -39,10 +40,23 @@ def leftovers(path: Path) -> list[Path]:
 
 
 def remove_leftovers(path: Path) -> None:
-    """Delete what killed saves of ``path`` left behind (called by rank 0 before a new save)."""
+    """Clean up after killed saves of ``path`` (called by rank 0 before a new save).
+
+    Staging directories are deleted. A parked previous checkpoint (a save killed between the two renames of the
+    fallback swap) is the only copy when ``path`` is missing: it is renamed back to ``path``; otherwise deleted.
+    """
     for stale in leftovers(path):
+        if _PREVIOUS in stale.name and not os.path.lexists(path):
+            _logger.info("fabric_hsdp: restoring %s to %s, parked by an interrupted save", stale, path)
+            os.rename(stale, path)
+            continue
         _logger.info("fabric_hsdp: removing %s, left by an interrupted save", stale)
         _remove(stale)
+
+
+def discard(staged: Path) -> None:
+    """Delete the staging directory of a save that failed (and nothing else: a parked checkpoint stays)."""
+    _remove(staged)
 
 
 def commit(staged: Path, path: Path) -> None:
@@ -60,7 +74,11 @@ def commit(staged: Path, path: Path) -> None:
     else:
         parked = path.parent / f".{path.name}{_PREVIOUS}{uuid.uuid4().hex[:12]}"
         os.rename(path, parked)
-        os.rename(staged, path)
+        try:
+            os.rename(staged, path)
+        except BaseException:
+            os.rename(parked, path)  # the previous checkpoint back where it was
+            raise
         _remove(parked)
     _fsync(path.parent)
 
@@ -79,8 +97,12 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, f"could not swap '{first}' into '{second}': {os.strerror(code)}")
 
 
-def check_complete_dcp(path: Path, *, weights_only: bool = True) -> None:
-    """Raise ``FileNotFoundError``/``ValueError`` naming what is missing if ``path`` is not a whole DCP checkpoint."""
+def check_complete_dcp(path: Path, *, weights_only: bool = True) -> Any:
+    """Raise ``FileNotFoundError``/``ValueError`` naming what is missing if ``path`` is not a whole DCP checkpoint.
+
+    Returns:
+        Its DCP ``Metadata`` (read to check the shards against it).
+    """
     from fabric_hsdp.checkpoint._dcp import read_metadata
 
     if not path.exists():
@@ -114,6 +136,7 @@ def check_complete_dcp(path: Path, *, weights_only: bool = True) -> None:
             f"checkpoint '{path}' is incomplete: {', '.join(problems[:5])}{more}. Its shards do not match its"
             " '.metadata'; load the previous checkpoint instead."
         )
+    return metadata
 
 
 def _remove(path: Path) -> None:

@@ -80,9 +80,9 @@ def save_sharded(
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     try:
         if background_group is not None:
-            with fail_together(f"starting to save checkpoint '{path}' in the background"):
-                pending = background.start(tensors, staged, path, background_group, started)
-            return pending
+            with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
+                copies = background.copy_to_cpu(tensors)
+            return background.start(copies, staged, path, background_group, started)
         with fail_together(f"saving checkpoint '{path}'"):
             _save_dcp(tensors, staged, path)
         with fail_together(f"committing checkpoint '{path}'"):
@@ -90,10 +90,10 @@ def save_sharded(
                 commit.commit(staged, path)
     except BaseException:
         if rank == 0:
-            commit.remove_leftovers(path)  # the staging directory; the previous checkpoint at `path` is untouched
+            commit.discard(staged)  # the previous checkpoint at `path` is untouched
         raise
     if rank == 0:
-        _log_throughput("saved", path, time.monotonic() - started)
+        background.log_throughput("saved", path, time.monotonic() - started)
     return None
 
 
@@ -126,6 +126,7 @@ def load_sharded(
         What the checkpoint holds beyond what ``state`` asked for (Fabric's ``load`` semantics).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -134,12 +135,11 @@ def load_sharded(
         set_optimizer_state_dict,
     )
 
-    from fabric_hsdp.checkpoint._dcp import SafeLoadPlanner, _SingleCopyReader, read_metadata
+    from fabric_hsdp.checkpoint._dcp import SafeLoadPlanner, _SingleCopyReader, first_failure
 
     safe = weights_only is not False
     with fail_together(f"opening checkpoint '{path}'"):
-        commit.check_complete_dcp(path, weights_only=safe)
-        metadata = read_metadata(path, weights_only=safe)
+        metadata = commit.check_complete_dcp(path, weights_only=safe)
         model_key, model, optimizers, plain = split_state(state)
         saved_keys = _top_level_keys(metadata)
         wanted = [model_key, *optimizers]
@@ -156,7 +156,10 @@ def load_sharded(
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     targets, splits = replica_split.split_for_load(tensors, split_mesh) if split_mesh is not None else (tensors, [])
     planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
-    dcp.load(targets, storage_reader=_SingleCopyReader(path, metadata), planner=planner)
+    try:
+        dcp.load(targets, storage_reader=_SingleCopyReader(path, metadata), planner=planner)
+    except CheckpointException as error:
+        raise first_failure(error) from None  # e.g. SafeLoadPlanner's "pass weights_only=False"
     replica_split.gather_and_restore(splits, split_mesh)
     set_model_state_dict(model, targets[model_key], options=StateDictOptions(strict=strict))
     for key, optimizer in optimizers.items():
@@ -166,15 +169,8 @@ def load_sharded(
     _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
     _move_state_into(source=meta, destination=state, keys=set(plain))
     if dist.get_rank() == 0:
-        _log_throughput("loaded", path, time.monotonic() - started)
+        background.log_throughput("loaded", path, time.monotonic() - started)
     return meta
-
-
-def _log_throughput(verb: str, path: Path, seconds: float) -> None:
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    _logger.info(
-        "fabric_hsdp: %s '%s': %.1f MB in %.2f s (%.0f MB/s)", verb, path, size / 1e6, seconds, size / 1e6 / seconds
-    )
 
 
 def is_sharded_checkpoint(path: Path, model_key: str, *, weights_only: bool = True) -> bool:

@@ -208,30 +208,6 @@ def test_dcp_written_by_torch_save_to_dcp(tmp_path, state_dict):
         assert source.chunks("embed.weight") == [([0, 0], [16, 8])]
 
 
-def test_dcp_metadata_is_read_once_and_again_after_a_rewrite(tmp_path, state_dict, monkeypatch):
-    from fabric_hsdp.checkpoint import _dcp
-
-    reads = []
-    original = _dcp._read_metadata_file
-    monkeypatch.setattr(_dcp, "_read_metadata_file", lambda *args: reads.append(args) or original(*args))
-    torch.save(state_dict, tmp_path / "raw.pth")
-    torch_save_to_dcp(tmp_path / "raw.pth", tmp_path / "dcp")
-    first = _dcp.read_metadata(tmp_path / "dcp")
-    assert _dcp.read_metadata(tmp_path / "dcp") is first
-    assert len(reads) == 1
-    # the same path rewritten (as a new save commits over it) is read anew, with the new content
-    changed = {name: tensor + 1 for name, tensor in state_dict.items()}
-    changed["extra.weight"] = torch.ones(3)
-    shutil.rmtree(tmp_path / "dcp")
-    torch.save(changed, tmp_path / "raw.pth")
-    torch_save_to_dcp(tmp_path / "raw.pth", tmp_path / "dcp")
-    second = _dcp.read_metadata(tmp_path / "dcp")
-    assert len(reads) == 2
-    assert "extra.weight" in second.state_dict_metadata and "extra.weight" not in first.state_dict_metadata
-    with open_checkpoint(tmp_path / "dcp") as source:
-        assert_same_tensors({name: source.read(name) for name in changed}, changed)
-
-
 def test_hf_style_raw_keys_with_a_model_prefix_stay_raw(tmp_path):
     """``model.*`` keys of a flat HF state dict are names, not Lightning's wrapper: the DCP nesting tells them apart."""
     flat = {"model.embed_tokens.weight": torch.ones(4, 2), "lm_head.weight": torch.zeros(4, 2)}
@@ -357,3 +333,27 @@ def test_dcp_tensor_saved_in_several_chunks(tmp_path, dim):
         assert len(source.chunks("w")) == 2
         assert torch.equal(source.read("w"), weight)
         assert torch.equal(source.read_slice("w", (slice(2, 5), slice(1, 4))), weight[2:5, 1:4])
+
+
+def test_safe_load_planner_refuses_arbitrary_objects_unless_opted_in(tmp_path):
+    from torch.distributed.checkpoint import CheckpointException
+
+    from fabric_hsdp.checkpoint._dcp import SafeLoadPlanner, first_failure
+
+    dcp.save(
+        {"x": torch.ones(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}]}, checkpoint_id=tmp_path / "ok", no_dist=True
+    )
+    state = {"x": torch.zeros(3), "groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}
+    dcp.load(state, checkpoint_id=tmp_path / "ok", planner=SafeLoadPlanner(weights_only=True), no_dist=True)
+    assert torch.equal(state["x"], torch.ones(3)) and state["groups"] == [{"lr": 0.1, "betas": (0.9, 0.95)}]
+
+    dcp.save({"x": torch.ones(3), "obj": NotAllowed()}, checkpoint_id=tmp_path / "bad", no_dist=True)
+    with pytest.raises(CheckpointException) as caught:
+        state = {"x": torch.zeros(3), "obj": None}
+        dcp.load(state, checkpoint_id=tmp_path / "bad", planner=SafeLoadPlanner(weights_only=True), no_dist=True)
+    error = first_failure(caught.value)
+    assert isinstance(error, ValueError)
+    assert "'obj' holds objects that safe loading refuses" in str(error) and "weights_only=False" in str(error)
+    state = {"x": torch.zeros(3), "obj": None}
+    dcp.load(state, checkpoint_id=tmp_path / "bad", planner=SafeLoadPlanner(weights_only=False), no_dist=True)
+    assert isinstance(state["obj"], NotAllowed)

@@ -143,11 +143,12 @@ def save_with_lightning(num_nodes: int, devices: int, out: str) -> dict:
     return {}
 
 
-def save_in_background(num_nodes: int, devices: int, out: str, write_delay: float, wait: bool) -> dict:
-    """async_save: save after 2 steps, then train on while the write (held back by ``write_delay`` s) runs.
+def save_in_background(num_nodes: int, devices: int, out: str, wait: bool) -> dict:
+    """async_save: save after 2 steps, then train on while the write is held back until that step is done.
 
-    The checkpoint must hold the state of the moment ``fabric.save`` was called, not the later one. With ``wait``
-    False the script ends right after training: the exit handler must finish and commit the save.
+    The checkpoint must hold the state of the moment ``fabric.save`` was called, not the later one (and a
+    ``fabric.save`` that waited for the write would never return). With ``wait`` False the script ends right after
+    training: the save must still be finished and committed.
     """
     from torch.distributed.checkpoint import filesystem
 
@@ -158,19 +159,20 @@ def save_in_background(num_nodes: int, devices: int, out: str, write_delay: floa
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")
     write_data = filesystem.FileSystemWriter.write_data
+    release = threading.Event()
 
-    def late_write_data(self: Any, plan: Any, planner: Any) -> Any:
-        time.sleep(write_delay)  # in DCP's writing thread: training below changes the parameters meanwhile
+    def held_write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if not release.wait(timeout=60):  # in DCP's writing thread
+            raise TimeoutError("the write was never released: fabric.save blocked on it")
         return write_data(self, plan, planner)
 
-    filesystem.FileSystemWriter.write_data = late_write_data
+    filesystem.FileSystemWriter.write_data = held_write_data
     path = Path(out) / "ckpt"
-    started = time.monotonic()
     fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "hi"})
-    returned = time.monotonic() - started
     visible_before_written = path.exists()
-    _train(fabric, model, optimizer, scheduler, steps=1)
-    facts = {"returned_seconds": returned, "visible_before_written": visible_before_written}
+    _train(fabric, model, optimizer, scheduler, steps=1)  # changes parameters, AdamW state and lr in place
+    release.set()
+    facts = {"visible_before_written": visible_before_written}
     if wait:
         fabric.strategy.wait_for_checkpoint()
         facts.update(exists=path.exists(), hidden_leftovers=sorted(p.name for p in Path(out).glob(".*")))
