@@ -8,6 +8,8 @@ real training step, so ``exp_avg``/``exp_avg_sq`` add 1 GB; 1.51 GB on disk) on 
 * ``ours-async``: the same with ``async_save=True``: the save figure is the time ``fabric.save`` blocks (shards
   copied to CPU memory); the time until the checkpoint is committed (``wait_for_checkpoint()``) is printed below the
   table;
+* ``ours-split`` (only with ``--variants``): the same with ``split_replica_reads=True``: each replica reads half of
+  its shards and all-gathers the other half over gloo;
 * ``lightning``: ``ModelParallelStrategy(parallelize_fn)`` with ``parallelize_fn`` = ``fully_shard`` each layer,
   then the root, over ``device_mesh["data_parallel"]``, sized ``data_parallel=4, tensor_parallel=1`` (FSDP over all
   ranks). Lightning's default sizes (data_parallel = 2 nodes, tensor_parallel = 2) would leave the TP dim unused:
@@ -64,7 +66,12 @@ from benchmarks._harness import (  # noqa: E402 (after the sys.path line)
 )
 
 RANK_FUNCTION = "benchmarks.checkpoint_io:save_and_load"
-NAMES = {**VARIANT_NAMES, "ours-async": "HybridFSDPStrategy async_save"}
+NAMES = {
+    **VARIANT_NAMES,
+    "ours-async": "HybridFSDPStrategy async_save",
+    "ours-split": "HybridFSDPStrategy split reads",
+}
+OPTIONS = {"ours-async": {"async_save": True}, "ours-split": {"split_replica_reads": True}}
 PHASES = ("save", "cold", "warm")
 SEQ_LEN = 32
 
@@ -110,9 +117,10 @@ def save_and_load(variant: str, millions: float, workdir: str, drop_cache: bool,
     import torch
 
     background = variant == "ours-async"
-    if background:
+    options = OPTIONS.get(variant, {})
+    if options:
         variant = "ours"
-    fabric = make_fabric(variant, num_nodes, devices, **({"async_save": True} if background else {}))
+    fabric = make_fabric(variant, num_nodes, devices, **options)
     model = build_model(fabric, variant, millions)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     _train_step(fabric, model, optimizer)
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--variants",
-        default=",".join(NAMES),
+        default=",".join(name for name in NAMES if name != "ours-split"),
         help=f"comma-separated subset of {', '.join(NAMES)} (default: all; ratios need ours and an anchor)",
     )
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache before the first load")
@@ -274,12 +282,16 @@ def _report(runs: list[tuple[str, int, dict[str, Any]]], disk: list[tuple[float,
         ("ours", "cold", "1st load", read_limit),
         ("ours", "warm", "2nd load", read_limit),
         ("ours-async", "save", "async save returns", write_limit),
+        ("ours-split", "cold", "split: 1st load", read_limit),
+        ("ours-split", "warm", "split: 2nd load", read_limit),
     ):
+        if variant not in best:
+            continue
         ours = best.get(variant, {}).get(phase, math.nan)
         ratio = ours / best.get("lightning", {}).get(phase, math.nan)
         hsdp = ours / best.get("lightning-hsdp", {}).get(phase, math.nan)
         verdict = "pass" if ratio >= 1.0 else "MISS" if ratio < 1.0 else "-"
-        print(f"{label:<20}{ratio:>15.2f}{'>= 1.00':>9}{verdict:>6}{hsdp:>21.2f}{ours * MB / limit:>11.2f}")
+        print(f"{label:<20}{ratio:>15.3f}{'>= 1.00':>9}{verdict:>6}{hsdp:>21.3f}{ours * MB / limit:>11.2f}")
     print("(ours/disk: against dd's write limit for the save, its direct-read limit for the loads)")
     ok = True
     for variant, repeat, figures in runs:
