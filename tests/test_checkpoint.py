@@ -179,65 +179,17 @@ def test_killed_saves_leave_old_or_new_checkpoint(tmp_path):
 
 
 def test_killed_background_saves_leave_old_or_new_checkpoint(tmp_path):
-    _killed_saves(tmp_path, runs=4, async_save=True)
+    _killed_saves(tmp_path, runs=3, async_save=True)
 
 
-def test_background_save_holds_the_state_at_save_time(tmp_path):
-    result = launch(
-        "tests.scenarios.checkpoints:save_in_background",
-        {"out": str(tmp_path), "wait": True},
-        timeout=120,
-    )
-    for facts in result.check().values:
-        assert not facts["visible_before_written"]
-        assert facts["exists"] and facts["hidden_leftovers"] == []
-    # parameters, AdamW state and scheduler changed by the step after fabric.save are not in the checkpoint
+def test_background_save_holds_the_state_at_save_time_and_finishes_when_the_script_ends(tmp_path):
+    result = launch("tests.scenarios.checkpoints:save_in_background", {"out": str(tmp_path)}, timeout=120)
+    assert not any(facts["visible_before_written"] for facts in result.check().values)
+    assert [p.name for p in tmp_path.glob(".*")] == []
+    # parameters, AdamW state and lr changed by the step after fabric.save are not in the checkpoint
     for facts in launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path)}, num_nodes=1).check().values:
         _assert_exact(facts)
         assert facts["remainder"] == {"note": "hi"}
-
-
-def test_background_save_is_finished_when_the_script_just_ends(tmp_path):
-    from tests.helpers.dcp_read import read_model_tensors
-
-    result = launch(
-        "tests.scenarios.checkpoints:save_in_background",
-        {"out": str(tmp_path), "wait": False},
-        timeout=120,
-    )
-    assert not any(facts["visible_before_written"] for facts in result.check().values)
-    loaded = read_model_tensors(tmp_path / "ckpt")
-    expected = torch.load(tmp_path / "expected.pt", weights_only=True)["model"]
-    assert loaded.keys() == expected.keys()
-    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
-    assert [p.name for p in tmp_path.glob(".*")] == []
-
-
-def test_incomplete_checkpoint_errors_name_what_is_missing(sharded_checkpoint, tmp_path):
-    import shutil
-
-    from fabric_hsdp.checkpoint.commit import check_complete_dcp
-
-    broken = tmp_path / "no_metadata"
-    shutil.copytree(sharded_checkpoint / "ckpt", broken)
-    (broken / ".metadata").unlink()
-    with pytest.raises(ValueError, match=r"has no DCP '\.metadata' file \(but 4 shard file\(s\)"):
-        check_complete_dcp(broken)
-    missing_shard = tmp_path / "missing_shard"
-    shutil.copytree(sharded_checkpoint / "ckpt", missing_shard)
-    (missing_shard / "__2_0.distcp").unlink()
-    with pytest.raises(ValueError, match=r"incomplete: '__2_0.distcp' is missing"):
-        check_complete_dcp(missing_shard)
-    truncated = tmp_path / "truncated"
-    shutil.copytree(sharded_checkpoint / "ckpt", truncated)
-    with open(truncated / "__1_0.distcp", "r+b") as stream:
-        stream.truncate(100)
-    with pytest.raises(ValueError, match=r"'__1_0.distcp' is truncated \(100 of \d+ bytes\)"):
-        check_complete_dcp(truncated)
-    # and through fabric.load on every rank
-    result = launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path), "name": "missing_shard"}, num_nodes=1)
-    assert result.returncodes == [1, 1]
-    assert all("'__2_0.distcp' is missing" in rank.stderr for rank in result.ranks)
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -157,8 +157,15 @@ def test_disk_full_exits_1_and_leaves_nothing(tmp_path, tiny_disk, capsys, dest_
 def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path):
     torch.save({f"w{i}": torch.ones(8 << 20) for i in range(8)}, tmp_path / "big.pth")  # 256 MiB
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    # each tensor read takes 0.5 s longer, so the interrupt lands mid-conversion even when the machine is idle
+    slowed = (
+        "import sys, time; from fabric_hsdp import cli; from fabric_hsdp.checkpoint.sources import LazyTensor;"
+        " read = LazyTensor.materialize;"
+        " LazyTensor.materialize = lambda self, out=None: (time.sleep(0.5), read(self, out))[1];"
+        " sys.exit(cli.main(sys.argv[1:]))"
+    )
     process = subprocess.Popen(
-        [sys.executable, "-m", "fabric_hsdp", "convert", str(tmp_path / "big.pth"), str(tmp_path / "out")],
+        [sys.executable, "-c", slowed, "convert", str(tmp_path / "big.pth"), str(tmp_path / "out")],
         stderr=subprocess.PIPE,
         text=True,
         env=env,
