@@ -108,14 +108,11 @@ def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started:
 
 
 def copy_to_cpu(value: Any) -> Any:
-    """A copy of a nested state dict with every tensor (a DTensor's local shard) copied to CPU memory, once."""
-    from torch.distributed.tensor import DTensor
+    """A copy of a nested state dict with every tensor (a DTensor's local shard) copied to CPU memory, once.
 
-    if isinstance(value, DTensor):
-        local = value.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(
-            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
+    A DTensor stays a DTensor of the same mesh and placements with a CPU local shard (``DTensor.from_local`` would
+    move that shard back to the mesh's device).
+    """
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
