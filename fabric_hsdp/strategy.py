@@ -464,8 +464,7 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Finish a background save, release the sharded modules' FSDP state, destroy the process group, then the
-        plugins' teardown."""
+        """Finish a background save, release the modules' FSDP state, destroy the process group, tear down plugins."""
         try:
             self.wait_for_checkpoint()
         finally:

@@ -169,6 +169,8 @@ def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # as in a terminal: a runner started in the background (`cmd &`) ignores SIGINT, and so would the child
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
