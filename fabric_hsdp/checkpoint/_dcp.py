@@ -213,11 +213,15 @@ def _dcp_call() -> Iterator[None]:
             raise first_failure(error) from None
 
 
+def rank_failures(error: BaseException) -> dict[int, BaseException]:
+    """The exceptions DCP wrapped in ``error``, by rank (it records each as ``(exception, traceback)``)."""
+    failures = getattr(error, "failures", None) or {}
+    return {rank: failure[0] if isinstance(failure, tuple) else failure for rank, failure in failures.items()}
+
+
 def first_failure(error: CheckpointException) -> BaseException:
-    """The exception DCP wrapped (per rank, as ``(exception, traceback)``) in ``error``; ``error`` if none."""
-    for failure in error.failures.values():
-        return failure[0] if isinstance(failure, tuple) else failure
-    return error
+    """The first exception DCP wrapped in ``error``; ``error`` itself if it wrapped none."""
+    return next(iter(rank_failures(error).values()), error)
 
 
 def _quiet_load(state_dict: dict[str, Any], reader: FileSystemReader, planner: LoadPlanner) -> None:

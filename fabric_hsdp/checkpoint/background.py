@@ -34,9 +34,9 @@ _logger = logging.getLogger("fabric_hsdp")
 
 def save_error(error: BaseException, path: Path) -> RuntimeError:
     """The error for a failed DCP save, naming each failed rank and its exception (DCP wraps them per rank)."""
-    failures = getattr(error, "failures", None) or {}
-    # DCP records each failure as (exception, traceback)
-    causes = {rank: cause[0] if isinstance(cause, tuple) else cause for rank, cause in failures.items()}
+    from fabric_hsdp.checkpoint._dcp import rank_failures
+
+    causes = rank_failures(error)
     details = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(causes.items()))
     if not details:
         details = f"{type(error).__name__}: {error}"

@@ -82,7 +82,7 @@ def gather_and_restore(splits: list[_Split], mesh: Any) -> None:
     """All-gather each part along ``replicate`` into its whole shard; put the original tensors back in the copy."""
     if not splits:
         return
-    group = mesh.get_group("replicate") if mesh.mesh_dim_names else mesh.get_group(0)
+    group = mesh.get_group("replicate")
     for split in splits:
         whole = split.original.to_local()
         dist.all_gather_into_tensor(whole, split.part.clone(), group=group)
