@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities import rank_zero_info
 from torch import nn
+
+from fabric_hsdp.logs import info_on_rank_zero
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+_logger = logging.getLogger(__name__)
 
 ModulePolicy = set[type[nn.Module]] | Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool]
 
@@ -97,7 +101,7 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list
     matcher = plan.sharded_modules or _module_list_layers(module)
     units = [(name, child) for name, child in named if matcher(name, child)]
     if plan.sharded_modules is None and units:
-        rank_zero_info(f"HybridFSDPStrategy: sharding {len(units)} layers ({_class_names(units)}) one unit each")
+        info_on_rank_zero(_logger, "sharding %d layers (%s) one unit each", len(units), _class_names(units))
     if not units:
         what = "sharded_modules=..." if plan.sharded_modules else "sharded_modules=None (layers of nn.ModuleLists)"
         raise ValueError(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -13,7 +11,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -21,29 +18,23 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
-from lightning.fabric.utilities.distributed import (
-    ReduceOp,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities import rank_zero_warn
+from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
 from lightning.fabric.utilities.load import _move_state_into
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from fabric_hsdp import distributed
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.background import BackgroundSave
+from fabric_hsdp.checkpoint.background import BackgroundSaves
+from fabric_hsdp.checkpoint.full import save_full
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
-from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_full, save_sharded, split_state
+from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
+from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.sharding import (
     ModulePolicy,
@@ -54,10 +45,10 @@ from fabric_hsdp.sharding import (
     offload_policy,
     shard_model,
 )
-from fabric_hsdp.teardown import ShardedModuleRegistry
+from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
 from fabric_hsdp.topology import ShardSize, Topology, validate_shard_size
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
 
 
 def _validate_state_dict_type(state_dict_type: str) -> str:
@@ -149,9 +140,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
-        self._async_save = async_save
-        self._background_group: Any = None  # gloo group for DCP's collectives while saving in the background
-        self._pending_save: BackgroundSave | None = None
+        self._background = BackgroundSaves(enabled=async_save)
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._split_replica_reads = split_replica_reads
@@ -190,7 +179,8 @@ class HybridFSDPStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
+        if self.parallel_devices is None:
+            raise RuntimeError("the strategy has no devices yet: pass it to L.Fabric(...), which assigns them")
         return self.parallel_devices[self.local_rank]
 
     @property
@@ -217,7 +207,8 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
+        if self.cluster_environment is None:
+            raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -225,18 +216,28 @@ class HybridFSDPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         if self.parallel_devices is not None and self.local_rank >= len(self.parallel_devices):
             raise ValueError(
-                f"This process has LOCAL_RANK={self.local_rank}, but Fabric(devices={len(self.parallel_devices)}) knows"
+                f"this process has LOCAL_RANK={self.local_rank}, but Fabric(devices={len(self.parallel_devices)}) knows"
                 f" only {len(self.parallel_devices)} device(s) per node. Pass devices= equal to the processes the"
                 " launcher starts per node (torchrun --nproc-per-node, srun --ntasks-per-node, fabric run --devices)."
             )
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
-        self._setup_distributed()
+        if self.cluster_environment is None:
+            raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
+        self._process_group_backend = distributed.init_process_group(
+            self.cluster_environment,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            ranks_per_node=self.num_processes,
+            num_nodes=self.num_nodes,
+            device=self.root_device,
+            backend=self._process_group_backend,
+            timeout=self._timeout,
+        )
         self._topology = Topology.resolve(self._shard_size, self.num_nodes, self.num_processes, self.world_size)
         self._device_mesh = self._topology.build_mesh(self.root_device.type)
-        if self._async_save:
-            self._background_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._background.set_up(self._timeout)
         atexit.register(self._end_of_process)
-        rank_zero_info(f"HybridFSDPStrategy: {self._topology.describe()}")
+        info_on_rank_zero(_logger, "%s", self._topology.describe())
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -327,20 +328,11 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        distributed.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src)
-        return objects[0]
+        return distributed.broadcast_object(obj, src)
 
     @override
     def save_checkpoint(
@@ -363,22 +355,14 @@ class HybridFSDPStrategy(ParallelStrategy):
         if self._state_dict_type == "full" or path.suffix == ".safetensors":
             save_full(path, state)
         else:
-            self._pending_save = save_sharded(path, state, self.broadcast, background_group=self._background_group)
+            self._background.started(save_sharded(path, state, self.broadcast, background_group=self._background.group))
 
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.
 
         Call it on every rank. Saves, loads and ``teardown()`` call it themselves.
         """
-        pending = self._pending_save
-        if pending is None:
-            return
-        try:
-            pending.wait()
-        except Exception:
-            self._pending_save = None  # its failure is reported; an interrupt keeps it for the exit handler
-            raise
-        self._pending_save = None
+        self._background.wait()
 
     @override
     def load_checkpoint(
@@ -408,7 +392,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             raise NotImplementedError(
                 "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
             )
-        model_key, model, optimizers, plain = split_state(state)
+        model_key, model, optimizers, plain = state_parts(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
             split_mesh = self.device_mesh if self._split_replica_reads else None
             return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
@@ -468,7 +452,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         try:
             self.wait_for_checkpoint()
         finally:
-            self._background_group = None
+            self._background.close()
             self._sharded.release_and_destroy()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
@@ -484,38 +468,7 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     def _end_of_process(self) -> None:
         """At interpreter exit: finish a background save, then release the modules and the process group."""
-        pending, self._pending_save = self._pending_save, None
-        failed = False
-        if pending is not None:
-            try:
-                pending.wait(together=False)  # the other ranks may be gone: no collective here
-            except RuntimeError as error:
-                _logger.error("fabric_hsdp: %s", error)
-                failed = True
-        self._background_group = None
+        failed = self._background.finish_at_exit()
         self._sharded.release_and_destroy()
-        if failed:
-            # a checkpoint the script asked for was not written: the exit status must say so. Only os._exit sets it
-            # from here; it skips the atexit handlers registered before this one, so flush what they would have.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-
-    def _setup_distributed(self) -> None:
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if failed:  # a checkpoint the script asked for was not written: the exit status must say so
+            exit_now(1)

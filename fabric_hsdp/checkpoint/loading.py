@@ -23,15 +23,19 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint._io import release_freed_memory
+from fabric_hsdp.checkpoint.fileio import release_freed_memory
+from fabric_hsdp.checkpoint.formats import open_checkpoint
 from fabric_hsdp.checkpoint.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
-from fabric_hsdp.checkpoint.sources import CheckpointSource, TensorInfo, open_checkpoint
+from fabric_hsdp.checkpoint.progress import Progress
+from fabric_hsdp.checkpoint.source import CheckpointSource, LazyTensor, TensorInfo, read_lazy
+from fabric_hsdp.errors import CheckpointError
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
+# Loads smaller than this show no progress.
+_PROGRESS_MIN_BYTES = 256 << 20
 
 LoadMode = Literal["slice", "turns", "rank0"]
 LOAD_MODES = ("slice", "turns", "rank0")
@@ -86,7 +90,7 @@ def plan_keys(
     if strict:
         message = format_key_errors(match, model_infos, source_infos, source_name=str(source.path))
         if message:
-            raise ValueError(message)
+            raise CheckpointError(message)
     elif mismatched:
         message = format_key_errors(
             KeyMatch({k: match.mapping[k] for k in mismatched}, [], []),
@@ -95,7 +99,7 @@ def plan_keys(
             source_name=str(source.path),
             hint="strict=False: these are skipped.",
         )
-        _logger.warning("fabric_hsdp: %s", message)
+        _logger.warning("%s", message)
     return match, mismatched
 
 
@@ -131,13 +135,10 @@ def load_into_model(
     return result
 
 
-def _progress(source: CheckpointSource, names: list[str], what: str) -> Any:
-    from tqdm.auto import tqdm
-
+def _progress(source: CheckpointSource, names: list[str], what: str) -> Progress:
     total = sum(source.tensor_info(name).nbytes for name in names)
-    return tqdm(
-        total=total, unit="B", unit_scale=True, desc=what, disable=rank_zero_only.rank != 0 or total < 256 * 2**20
-    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Progress(total, what, enabled=rank == 0 and total >= _PROGRESS_MIN_BYTES)
 
 
 def _load_slices(
@@ -213,17 +214,15 @@ def load_optimizer_from_extras(
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from fabric_hsdp.checkpoint.sources import LazyTensor
-
     current = get_optimizer_state_dict(module, optimizer)  # initialises the state, sharded like the parameters
     by_name = _state_by_name(saved, current, name)
     with torch.no_grad():
         for fqn, entries in current["state"].items():
             if fqn not in by_name:
-                raise ValueError(f"optimizer entry {name!r} of the checkpoint has no state for parameter {fqn!r}")
+                raise CheckpointError(f"optimizer entry {name!r} of the checkpoint has no state for parameter {fqn!r}")
             for key, target in entries.items():
                 value = by_name[fqn][key]
-                value = value.materialize() if isinstance(value, LazyTensor) else value
+                value = value.read() if isinstance(value, LazyTensor) else value
                 if not isinstance(target, torch.Tensor):
                     entries[key] = value
                     continue
@@ -246,7 +245,7 @@ def _state_by_name(saved: dict[str, Any], current: dict[str, Any], name: str) ->
     names = [fqn for group in current["param_groups"] for fqn in group["params"]]
     numbers = [number for group in saved["param_groups"] for number in group["params"]]
     if len(names) != len(numbers):
-        raise ValueError(
+        raise CheckpointError(
             f"optimizer entry {name!r} of the checkpoint has {len(numbers)} parameters, the optimizer {len(names)}"
         )
     return {fqn: state[number] for fqn, number in zip(names, numbers) if number in state}
@@ -266,13 +265,11 @@ def restore_extras(
     """
     from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 
-    from fabric_hsdp.checkpoint.sources import materialize
-
     with open_checkpoint(path, weights_only=weights_only) as source:
         extras = source.extras(lazy=True)
         _validate_keys_for_strict_loading(set(optimizers) | plain_keys, extras.keys(), strict=strict)
         for key, optimizer in optimizers.items():
             if key in extras:
                 load_optimizer_from_extras(module, optimizer, extras.pop(key), key)
-        requested = {key: materialize(extras.pop(key)) for key in plain_keys if key in extras}
-        return requested, materialize(extras)
+        requested = {key: read_lazy(extras.pop(key)) for key in plain_keys if key in extras}
+        return requested, read_lazy(extras)
