@@ -63,13 +63,22 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def offload_policy(cpu_offload: bool | OffloadPolicy) -> OffloadPolicy:
-    """``True`` means FSDP2's ``CPUOffloadPolicy()``; a policy object is used as given."""
+def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> OffloadPolicy:
+    """``True`` means FSDP2's ``CPUOffloadPolicy()``; a policy object is used as given.
+
+    Raises:
+        ValueError: offloading was asked for on a CPU device, where the shards already are in CPU memory (FSDP2's
+            offload copies them to an accelerator for each step and fails without one).
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    if isinstance(cpu_offload, OffloadPolicy):
-        return cpu_offload
-    return CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    policy = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else CPUOffloadPolicy() if cpu_offload else None
+    if isinstance(policy, CPUOffloadPolicy) and device.type == "cpu":
+        raise ValueError(
+            "HybridFSDPStrategy(cpu_offload=True) moves the shards from an accelerator's memory to CPU memory, but this"
+            " run's device is the CPU, where they already are. Drop cpu_offload, or run on GPUs."
+        )
+    return policy or OffloadPolicy()
 
 
 @dataclass
@@ -110,9 +119,10 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list
             " HybridFSDPStrategy(sharded_modules={Block})."
         )
     if plan.activation_checkpointing is not None:
-        for name, child in named:
-            if plan.activation_checkpointing(name, child):
-                checkpoint(child)
+        checkpointed = [child for name, child in named if plan.activation_checkpointing(name, child)]
+        for child in checkpointed:
+            checkpoint(child)
+        _disable_kv_cache(module, checkpointed)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
     if plan.mp_policy is not None:
         kwargs["mp_policy"] = plan.mp_policy
@@ -123,6 +133,15 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list
         fully_shard(child, **kwargs)
     fully_shard(module, **kwargs)
     return [name for name, _ in units]
+
+
+def _disable_kv_cache(module: nn.Module, checkpointed: list[nn.Module]) -> None:
+    """Turn off a transformers model's KV cache when layers recompute their forward, as ``gradient_checkpointing``
+    does: the recomputation would append the keys and values to the cache a second time."""
+    config = getattr(module, "config", None)
+    if checkpointed and getattr(config, "use_cache", False):
+        config.use_cache = False
+        info_on_rank_zero(_logger, "activation checkpointing: set %s.config.use_cache=False", type(module).__name__)
 
 
 def _module_list_layers(module: nn.Module) -> Callable[[str, nn.Module], bool]:

@@ -34,6 +34,7 @@ from fabric_hsdp.checkpoint.full import save_full
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
+from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.sharding import (
@@ -46,7 +47,8 @@ from fabric_hsdp.sharding import (
     shard_model,
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
-from fabric_hsdp.topology import ShardSize, Topology, validate_shard_size
+from fabric_hsdp.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, validate_plan
+from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology, validate_shard_size, validate_tensor_parallel_size
 
 _logger = logging.getLogger(__name__)
 
@@ -60,9 +62,10 @@ def _validate_state_dict_type(state_dict_type: str) -> str:
 class HybridFSDPStrategy(ParallelStrategy):
     """Hybrid sharded data parallel (HSDP) on FSDP2: shard within a node (or group of nodes), replicate across them.
 
-    Every rank is a data-parallel replica. Parameters, gradients and optimizer state are sharded over the ``shard``
-    dim of a named 2-D ``DeviceMesh`` ``(replicate, shard)`` (see ``device_mesh``); the ``replicate`` dim only carries
-    the all-reduce of each shard's gradients, so all-gathers never cross the slow inter-node link.
+    Parameters, gradients and optimizer state are sharded over the ``shard`` dim of a named ``DeviceMesh``
+    ``(replicate, shard)`` (see ``device_mesh``); the ``replicate`` dim only carries the all-reduce of each shard's
+    gradients, so all-gathers never cross the slow inter-node link. With ``tensor_parallel_size=T`` the mesh is
+    ``(replicate, shard, tensor)``: each layer is also split ``T`` ways by tensor parallelism inside a node.
 
     Arguments:
         sharded_modules: The module classes (e.g. ``{Block}``, the transformer layer) that each become one
@@ -71,7 +74,19 @@ class HybridFSDPStrategy(ParallelStrategy):
             containers (litgpt's ``transformer.h``, Hugging Face's ``model.layers``) and logs the classes chosen.
         shard_size: Ranks that shard one copy of the model: ``"node"`` (default: the devices of one node),
             ``"world"`` (plain FSDP over all ranks), or a number (e.g. 16 = two 8-GPU nodes, for a model that does not
-            fit in one node). Must divide the world size and cover whole nodes or equal parts of one node.
+            fit in one node). Must divide the world size and cover whole nodes or equal parts of one node. With
+            tensor parallelism these ranks split the model ``T`` ways by TP and ``shard_size / T`` ways by FSDP.
+        tensor_parallel_size: Ranks that split each layer by tensor parallelism (``T``; default 1: none). Must divide
+            the devices per node (tensor-parallel peers are consecutive ranks of one node) and ``shard_size``, and
+            every dim the plan splits (heads, key/value heads, intermediate size, vocabulary): checked at setup, with
+            the module, dim and size named. Tensor-parallel peers share their micro-batches
+            (``distributed_sampler_kwargs`` counts ``world / T`` data-parallel ranks).
+        tensor_parallel_plan: ``"auto"`` (default: transformers models' own plan, litgpt's ``GPT``, and models with a
+            ``_tp_plan`` attribute), a dict of module-name patterns (``*`` for one name part) to a torch
+            ``ParallelStyle``, one of transformers' style names (``"colwise"``, ``"rowwise"``,
+            ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"sequence_parallel"``, ...) or
+            ``fabric_hsdp.tensor_parallel.FusedColwise``, or a callable ``(model, tensor_mesh) -> None``. Applied
+            before activation checkpointing and ``fully_shard``.
         reshard_after_forward: FSDP2's ``reshard_after_forward``: ``True`` frees gathered parameters after forward
             (least memory), ``False`` keeps them for backward (less communication), an int reshards to that smaller
             group size. ``None`` lets FSDP2 decide (reshard, except for the root).
@@ -113,6 +128,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         self,
         sharded_modules: ModulePolicy | None = None,
         shard_size: ShardSize = "node",
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlan = "auto",
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: ModulePolicy | None = None,
         cpu_offload: bool | Any = False,
@@ -137,6 +154,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
         self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
         self._shard_size = validate_shard_size(shard_size)
+        self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
+        self._tensor_parallel_plan = validate_plan(tensor_parallel_plan)
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
@@ -149,21 +168,28 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._backward_sync_control = _ParallelBackwardSyncControl()
         self._topology: Topology | None = None
-        self._device_mesh: Any = None
+        self._mesh: ParallelMesh | None = None
         self._sharded = ShardedModuleRegistry()
 
     @property
     def device_mesh(self) -> Any:
-        """The named ``DeviceMesh`` with dims ``("replicate", "shard")``; exists once the processes are set up."""
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks.")
-        return self._device_mesh
+        """The named ``DeviceMesh``: dims ``("replicate", "shard")``, or ``("replicate", "shard", "tensor")`` with
+        tensor parallelism; exists once the processes are set up."""
+        return self.parallel_mesh.device_mesh
+
+    @property
+    def parallel_mesh(self) -> ParallelMesh:
+        """The mesh and its sub-meshes by purpose (``fsdp``, ``tensor``, ``replicate``); exists once the processes
+        are set up."""
+        if self._mesh is None:
+            raise RuntimeError("the device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks")
+        return self._mesh
 
     @property
     def topology(self) -> Topology:
         """Degrees of the mesh (``shard_size``, ``replicate_size``, nodes, ranks per node) and this rank's place."""
         if self._topology is None:
-            raise RuntimeError("The topology exists only after fabric.launch() (or `fabric run`) set up the ranks.")
+            raise RuntimeError("the topology exists only after fabric.launch() (or `fabric run`) set up the ranks")
         return self._topology
 
     @property
@@ -198,8 +224,9 @@ class HybridFSDPStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank sees its own data: replicas *and* shard peers each compute on a different micro-batch.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # Replicas and FSDP shard peers each compute on their own micro-batch; tensor-parallel peers share one.
+        topology = self.topology
+        return {"num_replicas": topology.data_parallel_size, "rank": topology.data_parallel_rank(self.global_rank)}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -233,8 +260,10 @@ class HybridFSDPStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._timeout,
         )
-        self._topology = Topology.resolve(self._shard_size, self.num_nodes, self.num_processes, self.world_size)
-        self._device_mesh = self._topology.build_mesh(self.root_device.type)
+        self._topology = Topology.resolve(
+            self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
+        )
+        self._mesh = self._topology.build_mesh(self.root_device.type)
         self._background.set_up(self._timeout)
         atexit.register(self._end_of_process)
         info_on_rank_zero(_logger, "%s", self._topology.describe())
@@ -252,12 +281,15 @@ class HybridFSDPStrategy(ParallelStrategy):
                 activation_checkpointing=self._activation_checkpointing,
                 reshard_after_forward=self._reshard_after_forward,
                 mp_policy=mixed_precision_policy(self.precision_name),
-                offload_policy=offload_policy(self._cpu_offload),
+                offload_policy=offload_policy(self._cpu_offload, self.root_device),
             )
-            shard_model(module, self.device_mesh, plan)
+            mesh = self.parallel_mesh
+            if mesh.tensor is not None:  # tensor parallelism first, then activation checkpointing and fully_shard
+                apply_tensor_parallel(module, self._tensor_parallel_plan, mesh.tensor)
+            shard_model(module, mesh.fsdp, plan)
         # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
-        materialize_local_shards(module, self.root_device, self.device_mesh)
-        make_replicas_identical(module, self.device_mesh)
+        materialize_local_shards(module, self.root_device, self.topology.position_in_copy(self.global_rank))
+        make_replicas_identical(module, mesh)
         self._sharded.add(module)
         return module
 
@@ -314,11 +346,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        from torch.distributed.tensor import DTensor
-
-        total_norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        # The norm over DTensor shards is itself a DTensor (already reduced over all ranks); hand back a plain tensor.
-        return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+        self.precision.unscale_gradients(optimizer)
+        parameters = self.precision.main_params(optimizer)
+        return clip_grad_norm(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:

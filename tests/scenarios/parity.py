@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ class Trained:
     losses: list[float]
     norms: list[float]
     state: dict[str, torch.Tensor]
+    batches: list = field(default_factory=list)  # the inputs of each micro-batch this rank trained on
 
 
 def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -127,10 +128,11 @@ def _train_sharded(
         )
     else:  # Fabric inserts a DistributedSampler with the strategy's distributed_sampler_kwargs
         loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False))
-    losses, norms = [], []
+    losses, norms, seen = [], [], []
     for _ in range(steps):
         micro_batches = list(loader)
         assert len(micro_batches) == accumulate, (len(micro_batches), accumulate)
+        seen.append([rows.tolist() for rows, _ in micro_batches])
         step_loss = torch.zeros(())
         for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):
             last = micro == accumulate - 1
@@ -145,7 +147,7 @@ def _train_sharded(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
-    return Trained(losses, norms, full_state(model))
+    return Trained(losses, norms, full_state(model), seen)
 
 
 def _relative(values: list[float], reference: list[float]) -> float:
@@ -176,12 +178,28 @@ def parity(
     activation_checkpointing: bool = False,
     setup_together: bool = False,
     bugs: list[str] = (),
+    kinds: list[str] | None = None,
+    **strategy_kwargs: Any,
 ) -> dict[str, Any]:
-    """Train sharded (and, for ``bugs``, with each bug planted); return distances to one process and the noise floor."""
-    strategy_kwargs: dict[str, Any] = {"sharded_modules": {layer_class(kind)}}
+    """Train sharded (and, for ``bugs``, with each bug planted); return distances to one process and the noise floor.
+
+    ``kinds``: several models, one after the other in this launch (the result is then keyed by kind).
+    ``strategy_kwargs``: passed to the strategy, e.g. ``tensor_parallel_size=2``.
+    """
+    layers = {layer_class(name) for name in kinds or [kind]}
     if activation_checkpointing:
-        strategy_kwargs["activation_checkpointing"] = {layer_class(kind)}
-    fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
+        strategy_kwargs["activation_checkpointing"] = layers
+    options = dict(steps=steps, accumulate=accumulate, clip=clip, setup_together=setup_together, bugs=bugs)
+    if kinds is not None:  # the strategy's default sharded_modules: the layers of the models' nn.ModuleLists
+        fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
+        return {name: _parity(fabric, name, **options) for name in kinds}
+    fabric = make_fabric(num_nodes, devices, sharded_modules=layers, **strategy_kwargs)
+    return _parity(fabric, kind, **options)
+
+
+def _parity(
+    fabric: Any, kind: str, steps: int, accumulate: int, clip: str | None, setup_together: bool, bugs: list[str]
+) -> dict[str, Any]:
     sampler = fabric.strategy.distributed_sampler_kwargs
     num_rows = MICRO_BATCH * accumulate * sampler["num_replicas"]
     inputs, targets = batch(num_rows)
@@ -203,4 +221,5 @@ def parity(
         "ours": distance(ours, full_batch),
         "bugs": {bug: distance(_train_sharded(fabric, *options, bug=bug), full_batch) for bug in bugs},
         "sampler": sampler,
+        "batches": ours.batches,
     }
