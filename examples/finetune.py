@@ -113,6 +113,19 @@ def vocab_size_of(model: nn.Module) -> int:
     return int(getattr(config, "padded_vocab_size", None) or config.vocab_size)
 
 
+def tied_aliases(model: nn.Module) -> set[str]:
+    """State-dict names of tensors already listed under an earlier name (tied weights: ``lm_head.weight`` of a model
+    whose output layer shares the embedding). The export leaves them out unless the source checkpoint has them, as
+    ``save_pretrained`` does; transformers would otherwise untie the weights when it loads both."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            aliases.add(name)
+        seen.add(id(tensor))
+    return aliases
+
+
 def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """``(batch, seq, vocab)`` logits of a litgpt ``GPT`` (returns them) or a transformers model (``.logits``)."""
     if hasattr(getattr(model, "config", None), "use_cache"):  # transformers: no KV cache while training
@@ -291,11 +304,14 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return 0, "peak memory (unknown on this OS)"
 
 
-def export_model(checkpoint: Path, fmt: Format, checkpoint_dir: Path, export_dir: Path, max_shard_size: str) -> str:
+def export_model(
+    checkpoint: Path, fmt: Format, checkpoint_dir: Path, export_dir: Path, max_shard_size: str, tied: set[str]
+) -> str:
     """Write the model of a sharded checkpoint in the source's format; one process, one tensor in memory at a time.
 
     Each tensor is written in its dtype in ``checkpoint_dir``'s weights (fine-tuning may hold fp32 master weights of
-    a bf16 model). The non-weight files of ``checkpoint_dir`` (configs, tokenizer) are copied next to the weights.
+    a bf16 model); second names of tied tensors (``tied``) only if the source has them. The non-weight files of
+    ``checkpoint_dir`` (configs, tokenizer) are copied next to the weights.
 
     Returns:
         What was written, for the log.
@@ -317,7 +333,11 @@ def export_model(checkpoint: Path, fmt: Format, checkpoint_dir: Path, export_dir
         return LazyTensor(tensor.name, tensor.shape, dtype, lambda: tensor.materialize().to(dtype))
 
     with open_checkpoint(checkpoint) as trained:
-        tensors = {name: in_source_dtype(lazy) for name, lazy in trained.lazy_tensors().items()}
+        tensors = {
+            name: in_source_dtype(lazy)
+            for name, lazy in trained.lazy_tensors().items()
+            if name not in tied or name in source_dtypes
+        }
         if fmt == "litgpt":
             with atomic_output(export_dir, overwrite=True) as staging:
                 staging.mkdir()
@@ -444,6 +464,7 @@ def main(
     with fabric.init_module(empty_init=True):
         model = build_model(fmt, checkpoint_dir)
     layer_names = layers.find(model)
+    tied = tied_aliases(model)
     parameters = sum(p.numel() for p in model.parameters())
     fabric.print(
         f"{fmt} model from '{checkpoint_dir}': {type(model).__name__}, {parameters:,} parameters, built on the meta"
@@ -547,7 +568,7 @@ def main(
         validation.update(max_val_windows=max_val_windows, batch_size=batch_size)
         validation.update(val_loss=final_loss, val_loss_before=initial_loss)
         export_and_record(
-            fabric, model, final, fmt, checkpoint_dir, out_dir, windows, validation, export_max_shard_size
+            fabric, model, final, fmt, checkpoint_dir, out_dir, windows, validation, export_max_shard_size, tied
         )
 
 
@@ -561,6 +582,7 @@ def export_and_record(
     windows: torch.Tensor,
     validation: dict[str, Any],
     max_shard_size: str,
+    tied: set[str],
 ) -> None:
     """Rank 0 exports the final checkpoint and records what the fine-tuned model computes, for the export's check.
 
@@ -583,7 +605,7 @@ def export_and_record(
     if fabric.global_rank == 0:
         begun = time.perf_counter()
         try:
-            written = export_model(checkpoint, fmt, checkpoint_dir, out_dir / "export", max_shard_size)
+            written = export_model(checkpoint, fmt, checkpoint_dir, out_dir / "export", max_shard_size, tied)
             record = {"format": fmt, "export": str(out_dir / "export"), "tokens": probe.cpu(), "logits": probe_logits}
             record.update(validation=validation, step=int(checkpoint.name.split("-")[1]), source=str(checkpoint_dir))
             torch.save(record, out_dir / EXPORT_CHECK)
