@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from tests.helpers.launch import REPO_ROOT, free_port
+from tests.helpers.launch import REPO_ROOT, free_port, launch
 
 sys.path.insert(0, str(REPO_ROOT))
-from examples.finetune import detect_format, load_tokenizer, read_documents  # noqa: E402
+from examples.finetune import detect_format, export_model, load_tokenizer, read_documents  # noqa: E402
 from examples.launching import devices_and_nodes, latest_checkpoint  # noqa: E402
 
 TRAIN = REPO_ROOT / "examples" / "train.py"
@@ -112,18 +115,63 @@ def test_finetune_reads_jsonl_records_and_names_a_bad_line(tmp_path):
         read_documents(data, text_key="body")
 
 
+def test_export_keeps_the_source_layout_dtypes_and_side_files(tmp_path):
+    """Trained fp32 tensors go back to the source's bf16; a tied second name is left out unless the source has it."""
+    from fabric_hsdp.checkpoint import write_dcp
+
+    trained = {"embed.weight": torch.randn(8, 4), "norm.weight": torch.ones(4), "head.weight": torch.randn(8, 4)}
+    trained["head.weight"] = trained["embed.weight"]  # tied
+    write_dcp(tmp_path / "step-000002", trained)
+    source = tmp_path / "source"
+    source.mkdir()
+    save_file(
+        {"embed.weight": torch.zeros(8, 4, dtype=torch.bfloat16), "norm.weight": torch.ones(4)},
+        source / "model.safetensors",
+    )
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_text("{}")
+    written = export_model(tmp_path / "step-000002", "transformers", source, tmp_path / "hf", "5GB", {"head.weight"})
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(exported) == ["embed.weight", "norm.weight"], written
+    assert exported["embed.weight"].dtype == torch.bfloat16 and exported["norm.weight"].dtype == torch.float32
+    assert torch.equal(exported["embed.weight"], trained["embed.weight"].bfloat16())
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+
+    torch.save({"embed.weight": torch.zeros(8, 4), "head.weight": torch.zeros(8, 4)}, source / "lit_model.pth")
+    (source / "model_config.yaml").write_text("name: tiny\n")
+    export_model(tmp_path / "step-000002", "litgpt", source, tmp_path / "lit", "5GB", {"head.weight"})
+    state = torch.load(tmp_path / "lit" / "lit_model.pth", weights_only=True)
+    assert sorted(state) == ["embed.weight", "head.weight", "norm.weight"]  # the source stores both names
+    assert torch.equal(state["head.weight"], trained["embed.weight"])
+    assert (tmp_path / "lit" / "model_config.yaml").read_text() == "name: tiny\n"
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> Path:
+    """The README's `make main` with 4 steps per format; its work directory."""
+    work_dir = tmp_path_factory.mktemp("main_job")
+    output = _run(
+        [sys.executable, str(REPO_ROOT / "examples" / "main_job.py"), "--work_dir", str(work_dir), "--max_steps", "4"],
+        timeout=600,
+    )
+    (work_dir / "output.txt").write_text(output)
+    return work_dir
+
+
 @pytest.mark.slow
-def test_main_job_fine_tunes_both_formats_on_two_nodes_and_the_exports_reproduce_the_model(tmp_path):
-    """The README's `make main` with 4 steps: a tiny Llama made in both formats, each fine-tuned by two `fabric run`
-    launches (2 nodes x 2 ranks), exported, reloaded by litgpt / transformers.
+def test_main_job_fine_tunes_both_formats_on_two_nodes_and_the_exports_reproduce_the_model(main_job):
+    """A tiny Llama made in both formats, each fine-tuned by two `fabric run` launches (2 nodes x 2 ranks),
+    exported, reloaded by litgpt / transformers.
 
     The reloaded export's logits must equal the fine-tuned (sharded) model's exactly: the same float32 weights and
     the same kernels on the same input. The validation losses may differ by summation order only (< 1e-5).
     """
-    output = _run(
-        [sys.executable, str(REPO_ROOT / "examples" / "main_job.py"), "--work_dir", str(tmp_path), "--max_steps", "4"],
-        timeout=600,
-    )
+    output, tmp_path = (main_job / "output.txt").read_text(), main_job
     assert "main job: all 5 steps passed" in output
     assert "layers found for sharding (the layers of its nn.ModuleLists): 2 x Block" in output
     assert "layers found for sharding (the layers of its nn.ModuleLists): 2 x LlamaDecoderLayer" in output
@@ -145,3 +193,22 @@ def test_main_job_fine_tunes_both_formats_on_two_nodes_and_the_exports_reproduce
         assert check["generated"], check
     # one model in two formats, the same tokens: litgpt and transformers fine-tune it alike
     assert abs(checks["litgpt"]["val_loss"] - checks["transformers"]["val_loss"]) < 1e-4, checks
+
+
+@pytest.mark.slow
+def test_finetune_resumes_from_its_sharded_checkpoint_exactly(main_job, tmp_path):
+    """The main job's litgpt run without its last checkpoint, started again on 2 x 2 ranks: it resumes at step 2 and
+    ends where the uninterrupted run ended, and exports again."""
+    out_dir = tmp_path / "litgpt"
+    shutil.copytree(main_job / "litgpt", out_dir)
+    shutil.rmtree(out_dir / "checkpoints" / "step-000004")
+    shutil.rmtree(out_dir / "export")
+    straight = json.loads((out_dir / "export_check.json").read_text())["fine_tuned_val_loss"]
+    args = {"checkpoint_dir": str(main_job / "models" / "tiny-llama-litgpt"), "out_dir": str(out_dir)}
+    launched = launch("tests.scenarios.finetune:finetune", {"args": {**args, "max_steps": 4, "save_every": 2}})
+    output = launched.check().ranks[0].stdout
+    assert f"resumed from {out_dir / 'checkpoints' / 'step-000002'} (step 2)" in output
+    assert "step 0: val loss" not in output and "step 3/4: train loss" in output
+    resumed = torch.load(out_dir / "export_check.pt", weights_only=True)["validation"]["val_loss"]
+    assert resumed == straight
+    assert (out_dir / "export" / "lit_model.pth").is_file()
