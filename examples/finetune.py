@@ -376,7 +376,12 @@ class Parallelism:
 
 
 def make_strategy(parallel: Parallelism, layers: ModuleListLayers) -> HybridFSDPStrategy:
-    """The strategy: one ``fully_shard`` unit per layer of the model's ``nn.ModuleList``s (``sharded_modules=None``)."""
+    """The strategy: one ``fully_shard`` unit per layer of the model's ``nn.ModuleList``s (``sharded_modules=None``).
+
+    A new strategy option (e.g. ``tensor_parallel_size``) is one field of :class:`Parallelism` passed on here: the
+    data order and the validation split follow the strategy's data-parallel ranks, and the export reads the sharded
+    checkpoint, which stores full tensor shapes however the ranks split them.
+    """
     return HybridFSDPStrategy(
         sharded_modules=None,
         shard_size=parallel.shard_size,
@@ -525,12 +530,13 @@ def main(
         return path
 
     initial_loss = validate(0) if state["step"] == 0 else None
-    tokens_per_step = batch_size * seq_len * fabric.world_size
+    data_rank, data_ranks = data_parallel_rank(fabric)
+    tokens_per_step = batch_size * seq_len * data_ranks
     window_started, window_steps = time.perf_counter(), 0
     for step in range(state["step"] + 1, max_steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate * min(1.0, step / warmup_steps) if warmup_steps else learning_rate
-        batch = train_batch(train_tokens, step, fabric.global_rank, batch_size, seq_len, seed).to(fabric.device)
+        batch = train_batch(train_tokens, step, data_rank, batch_size, seq_len, seed).to(fabric.device)
         loss = loss_sum(model, batch) / batch[:, 1:].numel()
         fabric.backward(loss)
         if grad_clip > 0:
@@ -630,8 +636,9 @@ def evaluate(fabric: L.Fabric, model: nn.Module, windows: torch.Tensor, batch_si
     repeats one and counts it zero times.
     """
     model.eval()
-    mine = windows[fabric.global_rank :: fabric.world_size]
-    forwards = math.ceil(math.ceil(len(windows) / fabric.world_size) / batch_size)
+    data_rank, data_ranks = data_parallel_rank(fabric)
+    mine = windows[data_rank::data_ranks]
+    forwards = math.ceil(math.ceil(len(windows) / data_ranks) / batch_size)
     total = torch.zeros(2, dtype=torch.float64, device=fabric.device)
     for index in range(forwards):
         batch = mine[index * batch_size : (index + 1) * batch_size]
@@ -641,8 +648,18 @@ def evaluate(fabric: L.Fabric, model: nn.Module, windows: torch.Tensor, batch_si
         else:
             loss_sum(model, windows[:1].to(fabric.device))
     model.train()
-    total = fabric.all_reduce(total, reduce_op="sum")
+    total = fabric.all_reduce(total, reduce_op="sum")  # ranks that share a batch count it alike: the ratio holds
     return (total[0] / total[1]).item()
+
+
+def data_parallel_rank(fabric: L.Fabric) -> tuple[int, int]:
+    """``(this rank's data-parallel index, data-parallel ranks)``: which data a rank sees, from the strategy.
+
+    Under HSDP every rank is its own data-parallel rank; ranks that hold parts of the same layers (tensor parallelism)
+    must see the same batch, and the strategy's ``distributed_sampler_kwargs`` says so.
+    """
+    sampler = fabric.strategy.distributed_sampler_kwargs
+    return sampler["rank"], sampler["num_replicas"]
 
 
 def _all_ranks_max(fabric: L.Fabric, value: int) -> int:
