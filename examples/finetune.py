@@ -532,8 +532,9 @@ def main(
     initial_loss = validate(0) if state["step"] == 0 else None
     data_rank, data_ranks = data_parallel_rank(fabric)
     tokens_per_step = batch_size * seq_len * data_ranks
-    window_started, window_steps = time.perf_counter(), 0
+    window_seconds, window_steps = 0.0, 0  # training steps only: saves and validation are timed on their own
     for step in range(state["step"] + 1, max_steps + 1):
+        step_started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate * min(1.0, step / warmup_steps) if warmup_steps else learning_rate
         batch = train_batch(train_tokens, step, data_rank, batch_size, seq_len, seed).to(fabric.device)
@@ -543,16 +544,16 @@ def main(
             fabric.clip_gradients(model, optimizer, max_norm=grad_clip)
         optimizer.step()
         optimizer.zero_grad()
-        window_steps += 1
+        window_seconds, window_steps = window_seconds + time.perf_counter() - step_started, window_steps + 1
         if step % log_every == 0 or step == max_steps:
-            seconds = (time.perf_counter() - window_started) / window_steps
+            seconds = window_seconds / window_steps
             mean_loss = fabric.all_reduce(loss.detach().float(), reduce_op="mean").item()
             fabric.print(
                 f"step {step}/{max_steps}: train loss {mean_loss:.4f}, {seconds:.2f} s/step,"
-                f" {tokens_per_step / seconds:,.0f} tokens/s, {memory_label} max over ranks"
+                f" {tokens_per_step / seconds:,.0f} tokens/s (all ranks), {memory_label} max over ranks"
                 f" {_all_ranks_max(fabric, peak_memory(fabric.device)[0]) / 2**20:,.0f} MiB"
             )
-            window_started, window_steps = time.perf_counter(), 0
+            window_seconds, window_steps = 0.0, 0
         if eval_every > 0 and step % eval_every == 0 and step != max_steps:
             validate(step)
         if save_every > 0 and step % save_every == 0 and step != max_steps:
