@@ -330,7 +330,7 @@ def export_model(
         dtype = source_dtypes.get(tensor.name, tensor.dtype)
         if dtype == tensor.dtype or not dtype.is_floating_point:
             return tensor
-        return LazyTensor(tensor.name, tensor.shape, dtype, lambda: tensor.materialize().to(dtype))
+        return LazyTensor(tensor.name, tensor.shape, dtype, lambda: tensor.read().to(dtype))
 
     with open_checkpoint(checkpoint) as trained:
         tensors = {
