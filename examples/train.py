@@ -24,8 +24,6 @@ Options: ``python examples/train.py --help``; a YAML file: ``--config examples/c
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 import time
 from dataclasses import asdict
@@ -38,46 +36,9 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES.parent))  # `examples.tiny_llama` without installing the examples
 
+from examples.launching import devices_and_nodes, latest_checkpoint, launched_by_fabric_cli  # noqa: E402
 from examples.tiny_llama import Block, Llama, LlamaConfig, loss_fn  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
-
-CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
-
-
-def launched_by_fabric_cli() -> bool:
-    """``fabric run`` sets ``LT_CLI_USED=1`` and ``Fabric()`` then sets up the processes itself.
-
-    In that case ``fabric.launch()`` raises ("processes have already been created"); under torchrun, SLURM, LSF, MPI
-    or plain ``python`` it must be called. Lightning decides the same way (``bool(int(LT_CLI_USED))``).
-    """
-    return bool(int(os.environ.get("LT_CLI_USED", "0")))
-
-
-def devices_and_nodes(devices: int | str, num_nodes: int | None) -> tuple[int | str, int]:
-    """Fill ``"auto"`` devices and unset nodes from what torchrun or SLURM's srun started.
-
-    Lightning checks ``devices x num_nodes`` against the launcher's world size, so they must match it. Under
-    ``fabric run`` the CLI's ``--devices``/``--num-nodes`` apply (Fabric reads them from the environment), and for
-    LSF (jsrun) and MPI pass both explicitly.
-    """
-    if launched_by_fabric_cli():
-        return devices, num_nodes or 1
-    env = os.environ
-    if devices == "auto" and "LOCAL_WORLD_SIZE" in env:  # torchrun
-        devices = int(env["LOCAL_WORLD_SIZE"])
-        num_nodes = num_nodes or int(env["WORLD_SIZE"]) // devices
-    elif devices == "auto" and "SLURM_NTASKS" in env and env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
-        devices = int(env["SLURM_NTASKS_PER_NODE"])
-        num_nodes = num_nodes or int(env.get("SLURM_NNODES", "1"))
-    return devices, num_nodes or 1
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The ``step-<N>`` directory with the highest N (writes are atomic, so any such name is complete)."""
-    if not out_dir.is_dir():
-        return None
-    steps = [(int(m.group(1)), entry) for entry in out_dir.iterdir() if (m := CHECKPOINT_NAME.match(entry.name))]
-    return max(steps)[1] if steps else None
 
 
 def load_tokens(data: str, vocab_size: int) -> torch.Tensor:

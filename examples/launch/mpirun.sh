@@ -1,5 +1,7 @@
 #!/bin/bash
 # Open MPI's mpirun: N hosts x G GPUs, one MPI process per GPU.
+# SCRIPT=examples/finetune.py runs the fine-tune job instead of examples/train.py (pass --checkpoint_dir DIR as an
+# argument); both take the same launch options.
 #
 #   HOSTS=node1:8,node2:8 NODES=2 GPUS_PER_NODE=8 bash examples/launch/mpirun.sh
 #
@@ -25,5 +27,5 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 
 mpirun -np $((NODES * GPUS_PER_NODE)) -H "$HOSTS" --map-by slot --bind-to none \
     -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH \
-    python examples/train.py --accelerator cuda --devices "$GPUS_PER_NODE" --num_nodes "$NODES" \
+    python "${SCRIPT:-examples/train.py}" --accelerator cuda --devices "$GPUS_PER_NODE" --num_nodes "$NODES" \
     --precision bf16-mixed --out_dir out/mpi-hsdp "$@"

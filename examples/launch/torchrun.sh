@@ -1,5 +1,7 @@
 #!/bin/bash
 # torchrun with the c10d rendezvous: run this same command on every node (ssh, pdsh, your scheduler).
+# SCRIPT=examples/finetune.py runs the fine-tune job instead of examples/train.py (pass --checkpoint_dir DIR as an
+# argument); both take the same launch options.
 #
 #   RDZV_HOST=node1 NNODES=2 GPUS_PER_NODE=8 JOB_ID=run42 bash examples/launch/torchrun.sh     # on each node
 #
@@ -9,7 +11,7 @@
 #   LOCAL_WORLD_SIZE, GROUP_RANK (node rank), MASTER_ADDR/MASTER_PORT (host and free port of node rank 0's agent),
 #   TORCHELASTIC_RUN_ID
 # Lightning picks its TorchElasticEnvironment from TORCHELASTIC_RUN_ID (torch.distributed.is_torchelastic_launched())
-# and reads WORLD_SIZE, RANK, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT. examples/train.py takes --devices and
+# and reads WORLD_SIZE, RANK, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT. The examples take --devices and
 # --num_nodes from LOCAL_WORLD_SIZE and WORLD_SIZE; your own script passes Fabric(devices=G, num_nodes=N).
 #
 # * Every node must use the same RDZV_HOST:RDZV_PORT and JOB_ID, and reach that port (firewalls).
@@ -26,4 +28,4 @@ JOB_ID=${JOB_ID:-hsdp-train}
 
 torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "$JOB_ID" \
-    examples/train.py --accelerator cuda --precision bf16-mixed --out_dir out/torchrun-hsdp "$@"
+    "${SCRIPT:-examples/train.py}" --accelerator cuda --precision bf16-mixed --out_dir out/torchrun-hsdp "$@"

@@ -74,12 +74,32 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """Each state-dict key -> the first key naming the same tensor (tied weights, e.g. an embedding and the output).
+
+    ``state_dict()`` lists a shared tensor under every name; checkpoints (``save_pretrained``, safetensors) store it
+    under one.
+    """
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(tensor), name) for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
 def plan_keys(
-    source: CheckpointSource, targets: dict[str, torch.Tensor], key_map: KeyMapSpec, strict: bool
+    source: CheckpointSource,
+    targets: dict[str, torch.Tensor],
+    key_map: KeyMapSpec,
+    strict: bool,
+    tied: dict[str, str] | None = None,
 ) -> tuple[KeyMatch, list[str]]:
-    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``."""
+    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``.
+
+    A model key is not missing when another name of the same tied tensor (``tied``) is loaded: that fills both.
+    """
     source_keys = source.keys()
     match = match_keys(source_keys, targets, key_map)
+    if tied:
+        loaded = {tied.get(key, key) for key in match.mapping}
+        match.missing = [key for key in match.missing if tied.get(key, key) not in loaded]
     model_infos = {name: TensorInfo(name, t.shape, t.dtype) for name, t in targets.items()}
     source_infos = {key: source.tensor_info(key) for key in source_keys}
     mismatched = [
@@ -118,17 +138,18 @@ def load_into_model(
     """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring)."""
     validate_load_mode(load_mode)
     targets = module.state_dict()
+    tied = tied_names(module)
     if load_mode == "rank0":
-        return _load_from_rank0(path, targets, strict, key_map, weights_only)
+        return _load_from_rank0(path, targets, strict, key_map, weights_only, tied)
     if load_mode == "slice":
         with fail_together(f"loading '{path}'"):
-            return _load_slices(path, targets, strict, key_map, weights_only)
+            return _load_slices(path, targets, strict, key_map, weights_only, tied)
     turns = -(-ranks_per_node // max(1, turn_size))
     result = LoadResult()
     for turn in range(turns):
         with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
             if local_rank // max(1, turn_size) == turn:
-                result = _load_slices(path, targets, strict, key_map, weights_only)
+                result = _load_slices(path, targets, strict, key_map, weights_only, tied)
                 # glibc keeps what the reader freed in its heap; hand it back before the next turn starts, or a node
                 # holds two readers' worth at once (measured by benchmarks/load_memory.py).
                 release_freed_memory()
@@ -147,9 +168,10 @@ def _load_slices(
     strict: bool,
     key_map: KeyMapSpec,
     weights_only: bool,
+    tied: dict[str, str],
 ) -> LoadResult:
     with open_checkpoint(path, weights_only=weights_only) as source:
-        match, mismatched = plan_keys(source, targets, key_map, strict)
+        match, mismatched = plan_keys(source, targets, key_map, strict, tied)
         names = [k for k in match.mapping if k not in mismatched]
         with _progress(source, [match.mapping[k] for k in names], f"loading {path.name}") as bar, torch.no_grad():
             for model_key in names:
@@ -169,6 +191,7 @@ def _load_from_rank0(
     strict: bool,
     key_map: KeyMapSpec,
     weights_only: bool,
+    tied: dict[str, str],
 ) -> LoadResult:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -178,7 +201,7 @@ def _load_from_rank0(
     with fail_together(f"opening '{path}' on rank 0"):
         if rank == 0:
             source = open_checkpoint(path, weights_only=weights_only)
-            match, mismatched = plan_keys(source, targets, key_map, strict)
+            match, mismatched = plan_keys(source, targets, key_map, strict, tied)
             plan = [(match, mismatched)]
     dist.broadcast_object_list(plan, src=0)
     match, mismatched = plan[0]
