@@ -387,6 +387,16 @@ class HybridFSDPStrategy(ParallelStrategy):
         else:
             self._background.started(save_sharded(path, state, self.broadcast, background_group=self._background.group))
 
+    def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
+        """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside
+        periodic sharded checkpoints: ``.pth`` in Fabric's layout, or ``.safetensors`` for the model alone.
+
+        Rank 0 writes, gathering one tensor at a time; the file holds the model's own layout (also under tensor
+        parallelism). Call it on every rank.
+        """
+        self.wait_for_checkpoint()
+        save_full(Path(self.broadcast(Path(path).absolute())), state)
+
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.
 
@@ -424,7 +434,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             )
         model_key, model, optimizers, plain = state_parts(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
-            split_mesh = self.device_mesh if self._split_replica_reads else None
+            split_mesh = self.parallel_mesh if self._split_replica_reads else None
             return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
         self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
         requested, remainder = restore_extras(

@@ -76,7 +76,7 @@ def test_replica_split_maps_each_rank_to_its_rows():
         replica, shard = facts["coordinate"]
         assert facts["part_offset_rows"] == shard * 4 + replica * 2 and facts["part_rows"] == 2, facts
         assert facts["uneven_kept"] and facts["splits"] == 1
-        assert facts["restored_is_original"] and facts["shard_after_gather_exact"]
+        assert facts["shares_memory"] and facts["shard_after_gather_exact"]
 
 
 def test_each_replicated_shard_is_written_once(sharded_checkpoint):

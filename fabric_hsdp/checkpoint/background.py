@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint import commit
-from fabric_hsdp.checkpoint.dcp_io import save_error
+from fabric_hsdp.checkpoint.boxes import StoredBoxes
+from fabric_hsdp.checkpoint.dcp_io import SavePlanner, save_error
 from fabric_hsdp.checkpoint.progress import log_throughput
 from fabric_hsdp.errors import SaveError
 
@@ -131,6 +132,7 @@ def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started:
     future = dcp.async_save(
         copies,
         storage_writer=dcp.FileSystemWriter(str(staged)),
+        planner=SavePlanner(),
         process_group=group,
         async_stager=_AlreadyStaged(),
     )
@@ -145,6 +147,8 @@ def copy_to_cpu(value: Any) -> Any:
     """
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
+    if isinstance(value, StoredBoxes):
+        return value.copy_to_cpu()
     if isinstance(value, dict):
         return {key: copy_to_cpu(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -2,7 +2,8 @@
 
 Rank 0 asks for one tensor at a time by name; every rank takes part in that one gather, and rank 0 streams the tensor
 into the file (the writers of :mod:`fabric_hsdp.checkpoint.writers`). Rank 0 thus holds the file's structure plus one
-full tensor; the others one full tensor at most.
+full tensor; the others one full tensor at most. The file holds the model's own layout whatever the mesh: rows that
+tensor parallelism regrouped (litgpt's ``qkv``) are written in the model's order.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.sharded import plain_values, state_parts
 from fabric_hsdp.checkpoint.source import LazyTensor
 from fabric_hsdp.checkpoint.writers import write_safetensors, write_torch_file
+from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
 
 def save_full(path: Path, state: dict[str, Any]) -> None:
@@ -33,21 +35,22 @@ def save_full(path: Path, state: dict[str, Any]) -> None:
             f"'{path}' is a safetensors file, which holds model tensors only, but the state has optimizer(s)"
             f" {list(optimizers)}. Save {{'model': model}} alone to .safetensors, or use a .pth path for the rest."
         )
-    sharded: dict[str, torch.Tensor] = {}
+    sharded: dict[str, tuple[torch.Tensor, FusedRows | None]] = {}
+    fused = fused_rows_of(model)
 
-    def lazy(name: str, tensor: Any) -> Any:
+    def lazy(name: str, tensor: Any, param: str) -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        sharded[name] = tensor
-        return LazyTensor(name, tensor.shape, tensor.dtype, lambda: _gather(name, sharded[name], request=True))
+        sharded[name] = (tensor, fused.get(param) if tensor.ndim else None)
+        return LazyTensor(name, tensor.shape, tensor.dtype, lambda: _gather(name, *sharded[name], request=True))
 
-    model_tensors = {name: lazy(f"{model_key}.{name}", t) for name, t in get_model_state_dict(model).items()}
+    model_tensors = {name: lazy(f"{model_key}.{name}", t, name) for name, t in get_model_state_dict(model).items()}
     extras: dict[str, Any] = {}
     for key, optimizer in optimizers.items():
         optimizer_state = get_optimizer_state_dict(model, optimizer)
         extras[key] = {
             "state": {
-                fqn: {name: lazy(f"{key}.{fqn}.{name}", value) for name, value in entries.items()}
+                fqn: {name: lazy(f"{key}.{fqn}.{name}", value, fqn) for name, value in entries.items()}
                 for fqn, entries in optimizer_state["state"].items()
             },
             "param_groups": optimizer_state["param_groups"],
@@ -64,7 +67,7 @@ def save_full(path: Path, state: dict[str, Any]) -> None:
                 _broadcast_name(None)  # releases the other ranks, also when writing failed
         else:
             while (name := _broadcast_name(None)) is not None:
-                _gather(name, sharded[name], request=False)
+                _gather(name, *sharded[name], request=False)
 
 
 def _broadcast_name(name: str | None) -> str | None:
@@ -73,11 +76,15 @@ def _broadcast_name(name: str | None) -> str | None:
     return box[0]
 
 
-def _gather(name: str, tensor: torch.Tensor, request: bool) -> torch.Tensor:
+def _gather(name: str, tensor: torch.Tensor, fused: FusedRows | None, request: bool) -> torch.Tensor:
+    """The full tensor ``name`` in the model's own layout (rows tensor parallelism regrouped put back in order)."""
     from torch.distributed.tensor import DTensor
 
     if request:
         _broadcast_name(name)
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    return tensor.detach().cpu().clone() if request else tensor
+    if not request:
+        return tensor
+    tensor = tensor.detach().cpu()
+    return fused.to_stored_order(tensor) if fused is not None else tensor.clone()

@@ -26,12 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.boxes import global_box, stored_pieces
 from fabric_hsdp.checkpoint.fileio import release_freed_memory
 from fabric_hsdp.checkpoint.formats import open_checkpoint
 from fabric_hsdp.checkpoint.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
 from fabric_hsdp.checkpoint.progress import Progress
 from fabric_hsdp.checkpoint.source import CheckpointSource, LazyTensor, TensorInfo, read_lazy
 from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
 _logger = logging.getLogger(__name__)
 # Loads smaller than this show no progress.
@@ -59,13 +61,26 @@ def validate_load_mode(load_mode: str) -> str:
 
 def local_box(tensor: torch.Tensor) -> tuple[slice, ...]:
     """The global index range this rank's local shard of ``tensor`` covers (the whole tensor if not a DTensor)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    offsets, sizes = global_box(tensor)
+    return tuple(slice(start, start + size) for start, size in zip(offsets, sizes))
 
-    if not isinstance(tensor, DTensor):
-        return tuple(slice(0, size) for size in tensor.shape)
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+def read_local(source: CheckpointSource, name: str, target: torch.Tensor, fused: FusedRows | None) -> None:
+    """Fill ``target``'s local shard from tensor ``name`` of ``source``, reading only the elements it holds.
+
+    A shard is one box of the stored tensor, or several when tensor parallelism regrouped its rows (``fused``).
+    """
+    local = _local(target)
+    if not local.numel():
+        return
+    if local.ndim == 0:
+        local.copy_(source.read(name))
+        return
+    for piece in stored_pieces(target, fused):
+        sizes = [piece.stop - piece.start, *local.shape[1:]]
+        index = tuple(slice(offset, offset + size) for offset, size in zip(piece.offsets, sizes))
+        rows = local[piece.start : piece.stop]
+        rows.copy_(source.read_slice(name, index).view(rows.shape))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,6 +138,22 @@ def plan_keys(
     return match, mismatched
 
 
+@dataclass
+class _Load:
+    """One raw load: what to read, into which tensors, and how names and layouts map."""
+
+    path: Path
+    targets: dict[str, torch.Tensor]  # the model's state dict
+    strict: bool
+    key_map: KeyMapSpec
+    weights_only: bool
+    tied: dict[str, str]  # state-dict key -> the first key of the same tied tensor
+    fused: dict[str, FusedRows]  # parameters whose rows tensor parallelism regrouped
+
+    def plan(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
+        return plan_keys(source, self.targets, self.key_map, self.strict, self.tied)
+
+
 def load_into_model(
     path: Path,
     module: nn.Module,
@@ -137,19 +168,18 @@ def load_into_model(
 ) -> LoadResult:
     """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring)."""
     validate_load_mode(load_mode)
-    targets = module.state_dict()
-    tied = tied_names(module)
+    load = _Load(path, module.state_dict(), strict, key_map, weights_only, tied_names(module), fused_rows_of(module))
     if load_mode == "rank0":
-        return _load_from_rank0(path, targets, strict, key_map, weights_only, tied)
+        return _load_from_rank0(load)
     if load_mode == "slice":
         with fail_together(f"loading '{path}'"):
-            return _load_slices(path, targets, strict, key_map, weights_only, tied)
+            return _load_slices(load)
     turns = -(-ranks_per_node // max(1, turn_size))
     result = LoadResult()
     for turn in range(turns):
         with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
             if local_rank // max(1, turn_size) == turn:
-                result = _load_slices(path, targets, strict, key_map, weights_only, tied)
+                result = _load_slices(load)
                 # glibc keeps what the reader freed in its heap; hand it back before the next turn starts, or a node
                 # holds two readers' worth at once (measured by benchmarks/load_memory.py).
                 release_freed_memory()
@@ -162,58 +192,42 @@ def _progress(source: CheckpointSource, names: list[str], what: str) -> Progress
     return Progress(total, what, enabled=rank == 0 and total >= _PROGRESS_MIN_BYTES)
 
 
-def _load_slices(
-    path: Path,
-    targets: dict[str, torch.Tensor],
-    strict: bool,
-    key_map: KeyMapSpec,
-    weights_only: bool,
-    tied: dict[str, str],
-) -> LoadResult:
-    with open_checkpoint(path, weights_only=weights_only) as source:
-        match, mismatched = plan_keys(source, targets, key_map, strict, tied)
+def _load_slices(load: _Load) -> LoadResult:
+    with open_checkpoint(load.path, weights_only=load.weights_only) as source:
+        match, mismatched = load.plan(source)
         names = [k for k in match.mapping if k not in mismatched]
-        with _progress(source, [match.mapping[k] for k in names], f"loading {path.name}") as bar, torch.no_grad():
+        bar = _progress(source, [match.mapping[k] for k in names], f"loading {load.path.name}")
+        with bar, torch.no_grad():
             for model_key in names:
-                target = targets[model_key]
-                box = local_box(target)
-                local = _local(target)
-                if local.numel():
-                    piece = source.read_slice(match.mapping[model_key], box)
-                    local.copy_(piece.view(local.shape))
+                read_local(source, match.mapping[model_key], load.targets[model_key], load.fused.get(model_key))
                 bar.update(source.tensor_info(match.mapping[model_key]).nbytes)
         return LoadResult(names, match.missing, match.unexpected, mismatched)
 
 
-def _load_from_rank0(
-    path: Path,
-    targets: dict[str, torch.Tensor],
-    strict: bool,
-    key_map: KeyMapSpec,
-    weights_only: bool,
-    tied: dict[str, str],
-) -> LoadResult:
+def _load_from_rank0(load: _Load) -> LoadResult:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rank = dist.get_rank()
     source: CheckpointSource | None = None
     plan: list[Any] = [None]
-    with fail_together(f"opening '{path}' on rank 0"):
+    with fail_together(f"opening '{load.path}' on rank 0"):
         if rank == 0:
-            source = open_checkpoint(path, weights_only=weights_only)
-            match, mismatched = plan_keys(source, targets, key_map, strict, tied)
-            plan = [(match, mismatched)]
+            source = open_checkpoint(load.path, weights_only=load.weights_only)
+            plan = [load.plan(source)]
     dist.broadcast_object_list(plan, src=0)
     match, mismatched = plan[0]
     names = [k for k in match.mapping if k not in mismatched]
     try:
         with torch.no_grad():
             for model_key in names:
-                target = targets[model_key]
+                target = load.targets[model_key]
+                device = _local(target).device
                 if rank == 0:
-                    full = source.read(match.mapping[model_key]).to(device=_local(target).device, dtype=target.dtype)
+                    full = source.read(match.mapping[model_key]).to(device=device, dtype=target.dtype)
+                    if model_key in load.fused:  # in the order tensor parallelism regrouped the rows
+                        full = load.fused[model_key].to_module_order(full)
                 else:
-                    full = torch.empty(target.shape, dtype=target.dtype, device=_local(target).device)
+                    full = torch.empty(target.shape, dtype=target.dtype, device=device)
                 if isinstance(target, DTensor):
                     shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=0)
                     target.to_local().copy_(shard.to_local())
@@ -239,6 +253,7 @@ def load_optimizer_from_extras(
 
     current = get_optimizer_state_dict(module, optimizer)  # initialises the state, sharded like the parameters
     by_name = _state_by_name(saved, current, name)
+    fused = fused_rows_of(module)
     with torch.no_grad():
         for fqn, entries in current["state"].items():
             if fqn not in by_name:
@@ -249,9 +264,10 @@ def load_optimizer_from_extras(
                 if not isinstance(target, torch.Tensor):
                     entries[key] = value
                     continue
-                box = local_box(target)
+                if value.dim() and fqn in fused:  # in the order tensor parallelism regrouped the rows
+                    value = fused[fqn].to_module_order(value)
+                piece = value[local_box(target)] if value.dim() else value
                 local = _local(target)
-                piece = value[box] if value.dim() else value
                 local.copy_(piece.view(local.shape))
     current["param_groups"] = [
         {**saved_group, "params": group["params"]}

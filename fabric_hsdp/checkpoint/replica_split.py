@@ -1,89 +1,94 @@
 """Read each shard of a sharded checkpoint once, not once per replica.
 
 Under HSDP every replica (a node, or a group of nodes) holds the same shards, so a plain DCP load reads the whole
-checkpoint once per replica: R replicas make the shared filesystem serve R copies. Here each tensor sharded as
-``(Replicate(), Shard(0))`` on the strategy's mesh, with rows that split evenly into ``replicate x shard`` parts, is
-read in ``1/R`` slices: the replica at ``replicate`` index ``r`` reads part ``r`` of its shard, through a DTensor
-view of the shard on a flat mesh ordered shard-major (position ``shard * R + r``), so DCP's planner maps the slice to
-the right rows. An all-gather along ``replicate`` then puts the whole shard on every replica. The filesystem serves
-one copy of the checkpoint; the other ``R - 1`` travel over the network, once per shard.
+checkpoint once per replica: R replicas make the shared filesystem serve R copies. Here every tensor that is
+replicated along ``replicate`` and whose local rows split evenly into R parts is read in ``1/R`` slices: the replica
+at ``replicate`` index ``r`` reads rows ``[r L/R, (r+1) L/R)`` of its local shard (the boxes of the stored tensor
+they hold, :mod:`fabric_hsdp.checkpoint.boxes`), and an all-gather along ``replicate`` then puts the whole shard on
+every replica. The filesystem serves one copy of the checkpoint; the other ``R - 1`` travel over the network, once
+per shard. This works the same on the 2-D mesh and on the 3-D mesh of tensor parallelism, regrouped rows included.
 
-Tensors that do not split evenly, are not sharded that way, or live on another device than the mesh's (CPU offload
-on CUDA) are read whole, as DCP would.
+Tensors whose rows do not split evenly, or that live on another device than the mesh's (CPU offload on CUDA), are
+read whole, as DCP would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from fabric_hsdp.checkpoint import boxes
+from fabric_hsdp.tensor_parallel.fused_rows import FusedRows
+
+if TYPE_CHECKING:
+    from fabric_hsdp.topology import ParallelMesh
+
 
 @dataclass
-class _Split:
-    container: dict
-    key: Any
-    original: Any  # the DTensor of the whole local shard
-    part: torch.Tensor  # this rank's rows of it (a view), filled by the load
+class Split:
+    """A local shard that is read in parts: ``part`` (a view of this rank's rows of ``local``) is what is read."""
+
+    local: torch.Tensor
+    part: torch.Tensor
 
 
-def replica_parts(state: dict[str, Any], mesh: Any) -> tuple[dict[str, Any], list[_Split]]:
-    """A copy of the nested ``state`` whose evenly divisible HSDP tensors are replaced by this rank's ``1/R`` part.
+def replica_parts(
+    state: dict[str, Any], mesh: ParallelMesh, fused: dict[str, FusedRows]
+) -> tuple[dict[str, Any], list[boxes.Replaced], list[Split]]:
+    """A DCP view of ``state`` (model and optimizer state dicts) that reads this rank's ``1/R`` part of each shard.
+
+    Args:
+        state: The state dicts to load into, by key.
+        mesh: The strategy's mesh.
+        fused: The parameters whose rows tensor parallelism regrouped (read in the checkpoint's order either way).
 
     Returns:
-        The copy to pass to ``dcp.load``, and the parts to hand to :func:`gather_and_restore` afterwards.
+        The view to pass to ``dcp.load``, what it replaced (see :func:`~fabric_hsdp.checkpoint.boxes.dcp_view`), and
+        the parts to hand to :func:`gather` afterwards.
     """
-    if mesh.ndim != 2 or mesh.size(0) == 1:
-        return state, []
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
-    replicas, shards = mesh.size(0), mesh.size(1)
-    # the flat mesh's position p = shard * R + r holds rows [p, p + 1) * rows / (R * S): part r of shard `shard`
-    flat = DeviceMesh(mesh.device_type, mesh.mesh.t().flatten(), _init_backend=False)
-    replica_index = mesh.get_local_rank(0)
-    splits: list[_Split] = []
+    replicas = mesh.topology.replicate_size
+    replica = mesh.device_mesh.get_local_rank("replicate")
+    splits: list[Split] = []
 
-    def visit(node: Any) -> Any:
-        if isinstance(node, dict):
-            copy = {}
-            for key, value in node.items():
-                copy[key] = visit(value)
-                part = _part(value, mesh, flat, replicas, shards, replica_index)
-                if part is not None:
-                    copy[key] = part
-                    splits.append(_Split(copy, key, value, part.to_local()))
-            return copy
-        if isinstance(node, list):
-            return [visit(value) for value in node]
-        return node
-
-    return visit(state), splits
-
-
-def _part(value: Any, mesh: Any, flat: Any, replicas: int, shards: int, replica_index: int) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(value, DTensor) or value.device_mesh != mesh:
+    def read_part(param: str | None, tensor: torch.Tensor) -> boxes.StoredBoxes | None:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if _splits(tensor, local, mesh, replicas):
+            rows = local.shape[0] // replicas
+            start, stop = replica * rows, (replica + 1) * rows
+            splits.append(Split(local, local[start:stop]))
+            return boxes.StoredBoxes(local, tensor.shape, boxes.stored_pieces(tensor, fused.get(param), (start, stop)))
+        if param in fused and tensor.ndim:
+            return boxes.StoredBoxes(local, tensor.shape, boxes.stored_pieces(tensor, fused[param]))
         return None
-    if tuple(value.placements) != (Replicate(), Shard(0)) or value.ndim == 0:
-        return None
-    local = value.to_local()
-    rows = value.shape[0]
-    if rows % (replicas * shards) or not local.is_contiguous() or local.device.type != mesh.device_type:
-        return None
-    part_rows = rows // (replicas * shards)
-    part = local.narrow(0, replica_index * part_rows, part_rows)
-    return DTensor.from_local(part, flat, [Shard(0)], run_check=False, shape=value.shape, stride=value.stride())
+
+    view, replaced = boxes.dcp_view(state, read_part)
+    return view, replaced, splits
 
 
-def gather_and_restore(splits: list[_Split], mesh: Any) -> None:
-    """All-gather each part along ``replicate`` into its whole shard; put the original tensors back in the copy."""
-    if not splits:
+def _splits(tensor: torch.Tensor, local: torch.Tensor, mesh: ParallelMesh, replicas: int) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return (
+        replicas > 1
+        and isinstance(tensor, DTensor)
+        and tensor.ndim > 0
+        and "replicate" in mesh.replicated_dims(tensor)
+        and local.is_contiguous()
+        and local.shape[0] > 0
+        and local.shape[0] % replicas == 0
+        and local.device.type == mesh.device_mesh.device_type
+    )
+
+
+def gather(splits: list[Split], mesh: ParallelMesh | None) -> None:
+    """All-gather each part along ``replicate`` into its whole local shard."""
+    if not splits or mesh is None:
         return
-    group = mesh.get_group("replicate")
+    group = mesh.group("replicate")
     for split in splits:
-        whole = split.original.to_local()
-        dist.all_gather_into_tensor(whole, split.part.clone(), group=group)
-        split.container[split.key] = split.original
+        dist.all_gather_into_tensor(split.local, split.part.clone(), group=group)

@@ -20,14 +20,16 @@ from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loadi
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint import background, commit, replica_split
+from fabric_hsdp.checkpoint import background, boxes, commit, replica_split
 from fabric_hsdp.checkpoint.dcp_io import (
     META_FILE,
     OneCopyReader,
     SafeLoadPlanner,
+    SavePlanner,
     check_complete,
     first_failure,
     read_metadata,
@@ -36,6 +38,7 @@ from fabric_hsdp.checkpoint.dcp_io import (
 )
 from fabric_hsdp.checkpoint.progress import log_throughput
 from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
 
 
 class StateParts(NamedTuple):
@@ -95,6 +98,7 @@ def save_sharded(
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
+    tensors, _ = in_stored_layout(tensors, model)
     try:
         if background_group is not None:
             with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
@@ -119,9 +123,25 @@ def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staged)))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staged)), planner=SavePlanner())
     except CheckpointException as error:
         raise save_error(error, path) from None
+
+
+def in_stored_layout(tensors: dict[str, Any], model: nn.Module) -> tuple[dict[str, Any], list[boxes.Replaced]]:
+    """``tensors`` (model and optimizer state dicts) with the rows tensor parallelism regrouped put back in the
+    model's own order, as :class:`~fabric_hsdp.checkpoint.boxes.StoredBoxes` (sharing memory with the tensors)."""
+    fused = fused_rows_of(model)
+    if not fused:
+        return tensors, []
+
+    def regrouped(param: str | None, tensor: torch.Tensor) -> boxes.StoredBoxes | None:
+        if param not in fused or tensor.ndim == 0:
+            return None
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return boxes.StoredBoxes(local, tensor.shape, boxes.stored_pieces(tensor, fused[param]))
+
+    return boxes.dcp_view(tensors, regrouped)
 
 
 def _save_meta(values: dict[str, Any], file: Path) -> None:
@@ -136,8 +156,8 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Restore the model, optimizers and plain values of ``state`` in place from a DCP directory, on any topology.
 
-    With ``split_mesh`` (the strategy's mesh), HSDP replicas each read a ``1/R`` part of their shards and
-    all-gather the rest (:mod:`fabric_hsdp.checkpoint.replica_split`).
+    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`), replicas each read a ``1/R``
+    part of their shards and all-gather the rest (:mod:`fabric_hsdp.checkpoint.replica_split`).
 
     Returns:
         What the checkpoint holds beyond what ``state`` asked for (Fabric's ``load`` semantics).
@@ -169,13 +189,17 @@ def load_sharded(
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
-    targets, splits = replica_split.replica_parts(tensors, split_mesh) if split_mesh is not None else (tensors, [])
+    if split_mesh is not None:
+        targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, fused_rows_of(model))
+    else:
+        (targets, replaced), splits = in_stored_layout(tensors, model), []
     planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
     try:
         dcp.load(targets, storage_reader=OneCopyReader(path, metadata), planner=planner)
     except CheckpointException as error:
         raise first_failure(error) from None  # e.g. SafeLoadPlanner's "pass weights_only=False"
-    replica_split.gather_and_restore(splits, split_mesh)
+    replica_split.gather(splits, split_mesh)
+    boxes.put_back(replaced)
     set_model_state_dict(model, targets[model_key], options=StateDictOptions(strict=strict))
     for key, optimizer in optimizers.items():
         set_optimizer_state_dict(model, optimizer, targets[key])

@@ -273,7 +273,7 @@ def split_parts(num_nodes: int, devices: int) -> dict:
     """What each rank of a 2 x 2 mesh reads of two (Replicate, Shard(0)) tensors, and what the gather puts back."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from fabric_hsdp.checkpoint.replica_split import gather_and_restore, replica_parts
+    from fabric_hsdp.checkpoint.replica_split import gather, replica_parts
 
     fabric = make_fabric(num_nodes, devices)
     mesh = fabric.strategy.device_mesh
@@ -284,21 +284,22 @@ def split_parts(num_nodes: int, devices: int) -> dict:
         "model": {"even": DTensor.from_local(even.chunk(2)[mesh.get_local_rank(1)].clone(), mesh, placements)},
         "other": [{"uneven": DTensor.from_local(uneven.chunk(2)[mesh.get_local_rank(1)].clone(), mesh, placements)}],
     }
-    targets, splits = replica_parts(state, mesh)
+    targets, _, splits = replica_parts(state, fabric.strategy.parallel_mesh, {})
     part = targets["model"]["even"]
+    (chunk,) = part.__create_chunk_list__()  # where DCP reads this rank's part from
+    whole = state["model"]["even"].to_local()
     facts = {
         "coordinate": mesh.get_coordinate(),
-        "part_offset_rows": part.__create_chunk_list__()[0].offsets[0],  # where DCP reads this rank's part from
-        "part_rows": part.to_local().shape[0],
+        "part_offset_rows": chunk.offsets[0],
+        "part_rows": chunk.sizes[0],
         "uneven_kept": targets["other"][0]["uneven"] is state["other"][0]["uneven"],
         "splits": len(splits),
+        "shares_memory": part.local.data_ptr() == whole.data_ptr(),
     }
     # as a load would: this rank's part holds its rows, the rest of the shard is stale until the gather
-    whole = state["model"]["even"].to_local()
     whole.zero_()
     offset = facts["part_offset_rows"]
-    part.to_local().copy_(even[offset : offset + facts["part_rows"]])
-    gather_and_restore(splits, mesh)
-    facts["restored_is_original"] = targets["model"]["even"] is state["model"]["even"]
+    splits[0].part.copy_(even[offset : offset + facts["part_rows"]])
+    gather(splits, fabric.strategy.parallel_mesh)
     facts["shard_after_gather_exact"] = torch.equal(whole, even.chunk(2)[mesh.get_local_rank(1)])
     return facts

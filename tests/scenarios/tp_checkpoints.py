@@ -1,0 +1,162 @@
+"""Scenarios for checkpoints under tensor parallelism: sharded saves and loads across layouts, full exports, raw loads.
+
+Every scenario handles transformers' Llama and litgpt's GPT (both with grouped-query attention) in one launch.
+Expected values are written in the model's own layout (litgpt's ``qkv`` rows in ``[Q; K; V]`` order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.scenarios.common import batch, build, full_state, logits_of, make_fabric
+
+KINDS = ("hf", "litgpt")
+TOKENS = torch.arange(2 * 16).remainder(256).view(2, 16)
+
+
+def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """AdamW state of every parameter as full tensors in the model's own layout, keyed by parameter name."""
+    from torch.distributed.tensor import DTensor
+
+    from fabric_hsdp.tensor_parallel import fused_rows_of
+
+    fused = fused_rows_of(model)
+    names = {id(param): name for name, param in model.named_parameters()}
+    state = {}
+    for param, entries in optimizer.state.items():
+        name = names[id(param)]
+        state[name] = {}
+        for key, value in entries.items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if name in fused and full.ndim:
+                full = fused[name].to_stored_order(full)
+            state[name][key] = full.detach().cpu().clone()
+    return state
+
+
+def _setup(fabric: Any, kind: str, empty_init: bool, seed: int) -> tuple[Any, Any, Any]:
+    with fabric.init_module(empty_init=empty_init):
+        model = build(kind, seed=seed)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def _train(fabric: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
+    kwargs = fabric.strategy.distributed_sampler_kwargs
+    inputs, targets = batch(2 * kwargs["num_replicas"], seed=7)
+    rows = slice(2 * kwargs["rank"], 2 * kwargs["rank"] + 2)
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(logits_of(model, inputs[rows]).flatten(0, 1), targets[rows].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+def save(
+    num_nodes: int, devices: int, out: str, tensor_parallel_size: int, async_save: bool = False, full: bool = False
+) -> dict[str, Any]:
+    """Train 2 steps and save sharded (and, with ``full``, as one .pth and one .safetensors file)."""
+    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size, async_save=async_save)
+    facts = {}
+    for kind in KINDS:
+        model, optimizer, scheduler = _setup(fabric, kind, empty_init=False, seed=0)
+        _train(fabric, model, optimizer, scheduler)
+        expected = {
+            "model": full_state(model),
+            "optimizer": _full_optimizer_state(model.module, optimizer.optimizer),
+            "scheduler": scheduler.state_dict(),
+        }
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": kind}
+        fabric.save(Path(out) / f"{kind}-sharded", state)
+        if full:
+            fabric.strategy.save_full_checkpoint(Path(out) / f"{kind}-full.pth", state)
+            fabric.save(Path(out) / f"{kind}-model.safetensors", {"model": model})
+        if fabric.global_rank == 0:
+            torch.save(expected, Path(out) / f"{kind}-expected.pt")
+        facts[kind] = sorted(name for name, _ in model.module.named_parameters())
+    fabric.strategy.wait_for_checkpoint()
+    return facts
+
+
+def load(
+    num_nodes: int, devices: int, out: str, tensor_parallel_size: int, split_replica_reads: bool = False
+) -> dict[str, Any]:
+    """Load each saved checkpoint into a meta-initialised model on this layout; compare exactly with expected."""
+    fabric = make_fabric(
+        num_nodes, devices, tensor_parallel_size=tensor_parallel_size, split_replica_reads=split_replica_reads
+    )
+    facts = {}
+    for kind in KINDS:
+        model, optimizer, scheduler = _setup(fabric, kind, empty_init=True, seed=99)
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+        remainder = fabric.load(Path(out) / f"{kind}-sharded", state)
+        expected = torch.load(Path(out) / f"{kind}-expected.pt", weights_only=False)
+        actual = full_state(model)
+        actual_optimizer = _full_optimizer_state(model.module, optimizer.optimizer)
+        facts[kind] = {
+            "model_equal": {name: torch.equal(actual[name], tensor) for name, tensor in expected["model"].items()},
+            "optimizer_equal": {
+                f"{name}.{key}": torch.equal(actual_optimizer[name][key], value)
+                for name, entries in expected["optimizer"].items()
+                for key, value in entries.items()
+            },
+            "scheduler_equal": scheduler.state_dict() == expected["scheduler"],
+            "step": state["step"],
+            "remainder": remainder,
+            "mesh": tuple(fabric.strategy.device_mesh.shape),
+        }
+    return facts
+
+
+def load_raw(num_nodes: int, devices: int, cases: list[dict[str, Any]], tensor_parallel_size: int = 2) -> list[dict]:
+    """Each case: fill a meta-initialised model from a consolidated file; compare the gathered weights exactly.
+
+    Also counts the tensor bytes each rank reads (every read of tensor data ends in ``fileio.readinto``).
+    """
+    from fabric_hsdp.checkpoint import fileio
+
+    counted = {"bytes": 0}
+    readinto = fileio.readinto
+
+    def counting_readinto(fd: int, target: torch.Tensor, offset: int, **kw: Any) -> None:
+        counted["bytes"] += target.nbytes
+        readinto(fd, target, offset, **kw)
+
+    fileio.readinto = counting_readinto
+    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size)
+    results = []
+    for case in cases:
+        with fabric.init_module(empty_init=True):
+            model = build(case["kind"], seed=123)
+        model = fabric.setup_module(model)
+        counted["bytes"] = 0
+        if case.get("via_fabric_load"):
+            fabric.load(case["file"], {"model": model})
+        else:
+            fabric.strategy.load_raw(case["file"], model, load_mode=case.get("mode"))
+        read = counted["bytes"]
+        expected = torch.load(case["reference"], weights_only=True)
+        actual = full_state(model)
+        with torch.no_grad():
+            reference = build(case["kind"], seed=0)
+            reference.load_state_dict(expected)
+            difference = (logits_of(model, TOKENS) - logits_of(reference, TOKENS)).abs().max().item()
+        dist.barrier()
+        results.append(
+            {
+                "file": Path(case["file"]).name,
+                "mode": case.get("mode"),
+                "weights_equal": all(torch.equal(actual[name], tensor) for name, tensor in expected.items()),
+                "unequal": [name for name, tensor in expected.items() if not torch.equal(actual[name], tensor)],
+                "bytes_read": read,
+                "max_logit_diff": difference,
+            }
+        )
+    return results
