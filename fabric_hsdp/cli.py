@@ -52,6 +52,11 @@ def build_parser() -> Any:
     convert.add_argument(
         "--max_shard_size", type=str, default="5GB", help="largest safetensors shard of a directory output"
     )
+    convert.add_argument(
+        "--model_only",
+        action="store_true",
+        help="write the model tensors alone (a flat state dict, e.g. litgpt's lit_model.pth), without optimizer state",
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
     convert.add_argument(
         "--unsafe_pickle", action="store_true", help="unpickle without weights_only (trusted files only)"
@@ -121,6 +126,7 @@ def _run(command: str, args: Any) -> None:
             max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,
             weights_only=not args.unsafe_pickle,
+            model_only=args.model_only,
         )
     else:
         info = inspect_checkpoint(args.path, weights_only=not args.unsafe_pickle)

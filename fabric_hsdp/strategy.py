@@ -22,6 +22,7 @@ from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -395,7 +396,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         parallelism). Call it on every rank.
         """
         self.wait_for_checkpoint()
-        save_full(Path(self.broadcast(Path(path).absolute())), state)
+        save_full(Path(self.broadcast(Path(path).absolute())), _unwrap_objects(state))
 
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.

@@ -158,7 +158,8 @@ def _killed_saves(tmp_path, runs, async_save):
         out.mkdir()
         result = launch(
             "tests.scenarios.checkpoints:save_then_killed",
-            {"out": str(out), "seed": run, "async_save": async_save},
+            # every other run under tensor parallelism (mesh (2, 1, 2)): the same commit must hold there
+            {"out": str(out), "seed": run, "async_save": async_save, "tensor_parallel_size": 1 + run % 2},
             timeout=120,
             fail_grace=5,
         )

@@ -166,30 +166,28 @@ def dcp_view(
     """
     replaced: list[Replaced] = []
 
-    def visit(node: Any, param: str | None, path: tuple) -> Any:
+    def visit(node: Any, path: tuple) -> Any:
         if isinstance(node, dict):
             copy = {}
             for key, value in node.items():
-                inner = path + (key,)
-                owner = param if param is not None else _param_of(inner)
-                copy[key] = visit(value, owner, inner)
+                copy[key] = visit(value, path + (key,))
                 if isinstance(value, torch.Tensor):
-                    boxes = replace(owner, value)
+                    boxes = replace(_param_of(path + (key,)), value)
                     if boxes is not None:
                         copy[key] = boxes
                         replaced.append(Replaced(copy, key, value, boxes))
             return copy
         if isinstance(node, list):
-            return [visit(value, param, path + (i,)) for i, value in enumerate(node)]
+            return [visit(value, path + (i,)) for i, value in enumerate(node)]
         return node
 
-    return {key: visit(value, None, (key,)) for key, value in state.items()}, replaced
+    return {key: visit(value, (key,)) for key, value in state.items()}, replaced
 
 
 def _param_of(path: tuple) -> str | None:
-    """The parameter an entry belongs to: ``(model, name)`` -> name; ``(optimizer, "state", fqn, stat)`` -> fqn."""
-    if len(path) == 2 and isinstance(path[1], str):
-        return path[1]
+    """The parameter a tensor belongs to: ``(model, name)`` -> name; ``(optimizer, "state", fqn, stat)`` -> fqn."""
     if len(path) == 4 and path[1] == "state" and isinstance(path[2], str):
         return path[2]
+    if len(path) == 2 and isinstance(path[1], str):
+        return path[1]
     return None

@@ -118,6 +118,7 @@ def convert_checkpoint(
     max_shard_size: int | str | None = "5GB",
     overwrite: bool = False,
     weights_only: bool = True,
+    model_only: bool = False,
 ) -> ConvertSummary:
     """Convert a checkpoint, streaming one tensor at a time; the output appears only once complete.
 
@@ -132,9 +133,11 @@ def convert_checkpoint(
         max_shard_size: largest safetensors shard of a directory output, e.g. ``"5GB"``.
         overwrite: replace an existing ``dest``.
         weights_only: unpickle safely; ``False`` only for trusted checkpoints.
+        model_only: write the model tensors alone (a torch file then holds a flat state dict, like litgpt's
+            ``lit_model.pth``), leaving out optimizer state and other extras.
 
     Optimizer state and other extras of a wrapped checkpoint are kept when the output can hold them (DCP, torch
-    file) and left out, with a warning, for safetensors.
+    file) unless ``model_only``, and left out, with a warning, for safetensors.
 
     Raises:
         FileNotFoundError: ``source`` (or ``dest``'s directory) does not exist.
@@ -156,7 +159,7 @@ def convert_checkpoint(
         if dropped:
             _logger.info("key_map drops %d tensors, e.g. %r", len(dropped), dropped[0])
         tensors = {new: _cast(lazy[old], cast_to) for new, old in renamed.items()}
-        extras = checkpoint.extras(lazy=True)
+        extras = {} if model_only else checkpoint.extras(lazy=True)
         if extras and format == "safetensors":
             _logger.warning(
                 "safetensors holds tensors only: writing the model and leaving out %s of '%s'",

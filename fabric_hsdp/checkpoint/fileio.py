@@ -165,8 +165,9 @@ def read_box(
 ) -> torch.Tensor:
     """Read only the box ``index`` of a row-major tensor stored at ``offset``; returns a new contiguous tensor.
 
-    A box of whole rows is one positioned read. Any other box is assembled from blocks of whole rows of at most
-    64 MiB each, so memory stays at the box plus one block.
+    A box of whole rows is one positioned read. A box of whole inner rows but some columns of dim 1 (what a
+    column-split weight holds) is one positioned read per row, of exactly the box's bytes. Any other box is assembled
+    from blocks of whole rows of at most 64 MiB each, so memory stays at the box plus one block.
     """
     box = normalize_index(index, shape, name)
     box_shape = [stop - start for start, stop in box]
@@ -181,6 +182,12 @@ def read_box(
     inner = tuple(slice(start, stop) for start, stop in box[1:])
     if all(stop - start == size for (start, stop), size in zip(box[1:], shape[1:])):
         readinto(fd, out, offset + first_row * row_bytes, file_name=file_name)
+        return out
+    if all(stop - start == size for (start, stop), size in zip(box[2:], shape[2:])):
+        column_bytes = math.prod(shape[2:]) * itemsize
+        first_column = offset + box[1][0] * column_bytes
+        for row in range(first_row, last_row):
+            readinto(fd, out[row - first_row], first_column + row * row_bytes, file_name=file_name)
         return out
     rows_per_block = max(1, _SLICE_BLOCK // max(1, row_bytes))
     for row in range(first_row, last_row, rows_per_block):

@@ -8,8 +8,8 @@ Load modes:
 * ``"turns"``: the local ranks of each node take turns, ``turn_size`` at a time; each opens the file, fills its shards
   and closes it before the next starts. For files that cannot be memory-mapped (legacy pickles, some network
   filesystems): peak memory is ``turn_size`` readers' worth per node.
-* ``"rank0"``: only global rank 0 opens the file; each tensor goes out on its own and every rank keeps its shard
-  (``distribute_tensor`` from rank 0). For a file that exists on one machine only.
+* ``"rank0"``: only global rank 0 opens the file; each tensor goes out to every rank on its own (a broadcast) and
+  every rank keeps the elements of its shard. For a file that exists on one machine only.
 
 Tensors are read to CPU and only then copied to the rank's own device.
 """
@@ -205,8 +205,6 @@ def _load_slices(load: _Load) -> LoadResult:
 
 
 def _load_from_rank0(load: _Load) -> LoadResult:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     rank = dist.get_rank()
     source: CheckpointSource | None = None
     plan: list[Any] = [None]
@@ -221,19 +219,16 @@ def _load_from_rank0(load: _Load) -> LoadResult:
         with torch.no_grad():
             for model_key in names:
                 target = load.targets[model_key]
-                device = _local(target).device
+                local = _local(target)
+                # one tensor at a time to every rank (a DTensor on a sub-mesh without rank 0 has no other source)
                 if rank == 0:
-                    full = source.read(match.mapping[model_key]).to(device=device, dtype=target.dtype)
-                    if model_key in load.fused:  # in the order tensor parallelism regrouped the rows
-                        full = load.fused[model_key].to_module_order(full)
+                    full = source.read(match.mapping[model_key]).to(device=local.device, dtype=target.dtype)
                 else:
-                    full = torch.empty(target.shape, dtype=target.dtype, device=device)
-                if isinstance(target, DTensor):
-                    shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=0)
-                    target.to_local().copy_(shard.to_local())
-                else:
-                    dist.broadcast(full, src=0)
-                    target.copy_(full)
+                    full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+                dist.broadcast(full, src=0)
+                if model_key in load.fused:  # in the order tensor parallelism regrouped the rows
+                    full = load.fused[model_key].to_module_order(full)
+                local.copy_(full[local_box(target)])
                 del full
     finally:
         if source is not None:

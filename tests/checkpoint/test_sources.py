@@ -103,7 +103,7 @@ def test_layouts_that_are_neither_raw_nor_wrapped(tmp_path, obj, message):
     assert "odd.pth" in str(error.value)
 
 
-def test_read_slice_reads_only_the_box(tmp_path):
+def test_read_slice_reads_only_the_box(tmp_path, monkeypatch):
     weight = torch.arange(6 * 5 * 4, dtype=torch.float32).reshape(6, 5, 4)
     torch.save({"w": weight, "t": weight.flatten(1).t()}, tmp_path / "w.pth")
     save_file({"w": weight}, tmp_path / "w.safetensors")
@@ -120,6 +120,18 @@ def test_read_slice_reads_only_the_box(tmp_path):
                 assert torch.equal(source.read_slice("w", box), weight[box]), (path, box)
     with safe_open(tmp_path / "w.safetensors", "pt") as reference, open_checkpoint(tmp_path / "w.safetensors") as ours:
         assert torch.equal(ours.read_slice("w", (slice(1, 3), slice(1, 2))), reference.get_slice("w")[1:3, 1:2])
+    from fabric_hsdp.checkpoint import fileio
+
+    read = []
+    readinto = fileio.readinto
+    monkeypatch.setattr(
+        fileio,
+        "readinto",
+        lambda fd, target, offset, **kw: read.append(target.nbytes) or readinto(fd, target, offset, **kw),
+    )
+    with open_checkpoint(tmp_path / "w.safetensors") as source:  # a column-split weight: one read per row, no more
+        assert torch.equal(source.read_slice("w", (slice(1, 5), slice(2, 4))), weight[1:5, 2:4])
+    assert read == [2 * 4 * 4] * 4
     with open_checkpoint(tmp_path / "w.pth") as source:
         assert torch.equal(source.read_slice("t", (slice(3, 7),)), weight.flatten(1).t()[3:7])
         with pytest.raises(ValueError, match="unit steps"):

@@ -46,8 +46,9 @@ def _setup(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int 
 
 
 def _train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
-    inputs, targets = batch(2 * fabric.world_size, seed=7)
-    rows = slice(2 * fabric.global_rank, 2 * fabric.global_rank + 2)
+    data = fabric.strategy.distributed_sampler_kwargs  # tensor-parallel peers share their rows
+    inputs, targets = batch(2 * data["num_replicas"], seed=7)
+    rows = slice(2 * data["rank"], 2 * data["rank"] + 2)
     for _ in range(steps):
         loss = torch.nn.functional.cross_entropy(model(inputs[rows]).flatten(0, 1), targets[rows].flatten())
         fabric.backward(loss)
@@ -175,9 +176,17 @@ def save_in_background(num_nodes: int, devices: int, out: str) -> dict:
     return {"visible_before_written": visible_before_written}  # the script ends with the save pending
 
 
-def save_then_killed(num_nodes: int, devices: int, out: str, seed: int, async_save: bool = False) -> dict:
+def save_then_killed(
+    num_nodes: int, devices: int, out: str, seed: int, async_save: bool = False, tensor_parallel_size: int = 1
+) -> dict:
     """Save A, train, then save B over it while a random rank SIGKILLs itself at a random moment of that save."""
-    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, async_save=async_save)
+    fabric = make_fabric(
+        num_nodes,
+        devices,
+        sharded_modules={layer_class("llama")},
+        async_save=async_save,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     model, optimizer, scheduler = _setup(fabric, empty_init=False)
     path = Path(out) / "ckpt"
     state = {"model": model, "optimizer": optimizer, "step": 1}
