@@ -41,10 +41,13 @@ from fabric_hsdp.materialize import make_replicas_identical, materialize_local_s
 from fabric_hsdp.sharding import (
     ModulePolicy,
     ShardingPlan,
+    check_optimizer_is_sharded,
     is_sharded,
     mixed_precision_policy,
     module_matcher,
     offload_policy,
+    parameter_names,
+    repoint_optimizers,
     shard_model,
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
@@ -298,32 +301,14 @@ class HybridFSDPStrategy(ParallelStrategy):
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[Module, list[Optimizer], Any]:
-        # fully_shard replaces each parameter with a sharded one: point the optimizers at the new parameters by name.
-        names = {id(param): name for name, param in module.named_parameters()}
-        for optimizer in optimizers:
-            if optimizer.state:
-                raise ValueError(
-                    "The optimizer already has state, which cannot follow the parameters into their shards. Create"
-                    " the optimizer after fabric.setup_module(model), then call fabric.setup_optimizers(optimizer)."
-                )
+        names = parameter_names(module, optimizers)  # before fully_shard replaces the parameters
         module = self.setup_module(module)
-        sharded_params = dict(module.named_parameters())
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [sharded_params[names[id(param)]] for param in group["params"]]
+        repoint_optimizers(module, optimizers, names)
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        from torch.distributed.tensor import DTensor
-
-        plain = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
-        if plain:
-            raise ValueError(
-                f"The optimizer holds {len(plain)} parameter(s) that are not sharded (e.g. shape"
-                f" {list(plain[0].shape)}): it was created before fabric.setup_module(model). Create it after:"
-                " `model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))`."
-            )
+        check_optimizer_is_sharded(optimizer)
         return optimizer
 
     @override
