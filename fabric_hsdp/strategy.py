@@ -44,6 +44,7 @@ from fabric_hsdp.checkpoint.background import BackgroundSave
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_full, save_sharded, split_state
+from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.sharding import (
     ModulePolicy,
@@ -111,7 +112,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
-            normally fills these in.
+            normally fills these in. Without a ``cluster_environment``, one for the launcher that started this process
+            is chosen where Lightning's order would pick another (``mpirun`` inside SLURM: ``MPIEnvironment``).
 
     Mixed precision follows ``Fabric(precision=...)``: ``"bf16-mixed"`` computes with bf16 parameters and reduces
     gradients in fp32 over fp32 master shards; ``"16-mixed"`` likewise with fp16; ``"bf16-true"``/``"16-true"`` build
@@ -137,10 +139,11 @@ class HybridFSDPStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
     ) -> None:
+        self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
+            cluster_environment=cluster_environment or environment_for(self._launched_by),
             precision=precision,
         )
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
@@ -223,12 +226,9 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.parallel_devices is not None and self.local_rank >= len(self.parallel_devices):
-            raise ValueError(
-                f"This process has LOCAL_RANK={self.local_rank}, but Fabric(devices={len(self.parallel_devices)}) knows"
-                f" only {len(self.parallel_devices)} device(s) per node. Pass devices= equal to the processes the"
-                " launcher starts per node (torchrun --nproc-per-node, srun --ntasks-per-node, fabric run --devices)."
-            )
+        assert self.cluster_environment is not None
+        check_launch(self._launched_by, self.cluster_environment, self.num_nodes, self.num_processes, self.local_rank)
+        rank_zero_info(f"HybridFSDPStrategy: {describe_launch(self._launched_by, self.cluster_environment)}")
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         self._setup_distributed()
         self._topology = Topology.resolve(self._shard_size, self.num_nodes, self.num_processes, self.world_size)
