@@ -24,8 +24,10 @@ Options: ``python examples/train.py --help``; a YAML file: ``--config examples/c
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -40,6 +42,7 @@ sys.path.insert(0, str(EXAMPLES.parent))  # `examples.tiny_llama` without instal
 
 from examples.tiny_llama import Block, Llama, LlamaConfig, loss_fn  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
+from fabric_hsdp.launchers import SBATCH_SCRIPT, detect_launcher  # noqa: E402
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
@@ -54,22 +57,52 @@ def launched_by_fabric_cli() -> bool:
 
 
 def devices_and_nodes(devices: int | str, num_nodes: int | None) -> tuple[int | str, int]:
-    """Fill ``"auto"`` devices and unset nodes from what torchrun or SLURM's srun started.
+    """Fill ``"auto"`` devices and unset nodes from what the launcher started (torchrun, srun, mpirun, jsrun).
 
-    Lightning checks ``devices x num_nodes`` against the launcher's world size, so they must match it. Under
-    ``fabric run`` the CLI's ``--devices``/``--num-nodes`` apply (Fabric reads them from the environment), and for
-    LSF (jsrun) and MPI pass both explicitly.
+    The strategy checks ``devices x num_nodes`` against the launcher's world size, so they must match it. Under
+    ``fabric run`` the CLI's ``--devices``/``--num-nodes`` apply (Fabric reads them from the environment).
     """
     if launched_by_fabric_cli():
         return devices, num_nodes or 1
-    env = os.environ
-    if devices == "auto" and "LOCAL_WORLD_SIZE" in env:  # torchrun
-        devices = int(env["LOCAL_WORLD_SIZE"])
-        num_nodes = num_nodes or int(env["WORLD_SIZE"]) // devices
-    elif devices == "auto" and "SLURM_NTASKS" in env and env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
-        devices = int(env["SLURM_NTASKS_PER_NODE"])
-        num_nodes = num_nodes or int(env.get("SLURM_NNODES", "1"))
+    launcher = detect_launcher()
+    if devices == "auto" and launcher.ranks_per_node and launcher.name != SBATCH_SCRIPT:
+        devices = launcher.ranks_per_node
+        num_nodes = num_nodes or launcher.num_nodes
     return devices, num_nodes or 1
+
+
+def write_report(report_dir: Path, fabric: L.Fabric, strategy: HybridFSDPStrategy, **facts: object) -> None:
+    """Write what this rank knows about its launch to ``<report_dir>/rank<R>.json`` (replaced atomically).
+
+    The launcher and Lightning's cluster environment, global/node/local rank, host, device, mesh coordinates, the
+    launcher's own variables, and ``facts``: enough to check a new cluster's launch rank by rank.
+    """
+    prefixes = ("SLURM_", "OMPI_COMM_WORLD_", "PMIX_RANK", "PMI_", "JSM_NAMESPACE_", "LSB_JOBID", "TORCHELASTIC_")
+    torch_names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    variables = {k: v for k, v in os.environ.items() if k.startswith(prefixes) or k in torch_names}
+    mesh_coordinate = strategy.device_mesh.get_coordinate()
+    report = {
+        "launcher": detect_launcher().name,
+        "cluster_environment": type(strategy.cluster_environment).__name__,
+        "global_rank": fabric.global_rank,
+        "node_rank": fabric.node_rank,
+        "local_rank": fabric.local_rank,
+        "world_size": fabric.world_size,
+        "num_nodes": strategy.num_nodes,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(fabric.device),
+        "mesh_shape": list(strategy.topology.mesh_shape),
+        "topology_coordinates": list(strategy.topology.coordinates(fabric.global_rank)),
+        "mesh_coordinate": list(mesh_coordinate) if mesh_coordinate is not None else None,
+        "variables": variables,
+        **facts,
+    }
+    report_dir.mkdir(parents=True, exist_ok=True)
+    path = report_dir / f"rank{fabric.global_rank}.json"
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(report, indent=1))
+    staging.replace(path)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -124,6 +157,7 @@ def main(
     num_nodes: int | None = None,
     precision: str | None = None,
     seed: int = 42,
+    report_dir: Path | None = None,
 ) -> None:
     """Train the tiny LLaMA with HSDP.
 
@@ -154,6 +188,8 @@ def main(
         num_nodes: Nodes; unset takes torchrun's/srun's value (or ``fabric run --num-nodes``), else 1.
         precision: Fabric precision, e.g. ``bf16-mixed`` on GPUs; unset = ``32-true``.
         seed: Seed of the initial weights and of the data order.
+        report_dir: Each rank writes ``rank<R>.json`` here: the launcher and cluster environment, its ranks, host,
+            device and mesh coordinates, at start-up and again at the end. For checking a new cluster's launch.
     """
     if seq_len > model.max_seq_len:
         raise ValueError(f"--seq_len {seq_len} exceeds --model.max_seq_len {model.max_seq_len}")
@@ -202,6 +238,9 @@ def main(
         started = time.perf_counter()
         fabric.load_raw(init_from, net)
         fabric.print(f"initialised from {init_from} (load_mode={load_mode}) in {time.perf_counter() - started:.2f} s")
+    resumed_from = state["step"]
+    if report_dir is not None:
+        write_report(report_dir, fabric, strategy, resumed_from=resumed_from, finished=False)
 
     def save(step: int) -> None:
         path = out_dir / f"step-{step:06d}"
@@ -239,8 +278,12 @@ def main(
             save(step)
     if state["step"] < max_steps:
         save(max_steps)
-    fabric.print(f"done: val loss {evaluate(fabric, net, val_tokens, batch_size, seq_len, seed):.4f}")
+    val_loss = evaluate(fabric, net, val_tokens, batch_size, seq_len, seed)
+    fabric.print(f"done: val loss {val_loss:.4f}")
     strategy.wait_for_checkpoint()  # a save still in the background: committed here, or its failure raised
+    if report_dir is not None:
+        facts = {"resumed_from": resumed_from, "finished": True, "step": max_steps, "val_loss": val_loss}
+        write_report(report_dir, fabric, strategy, **facts)
 
 
 @torch.no_grad()
