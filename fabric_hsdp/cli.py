@@ -29,7 +29,11 @@ def build_parser() -> Any:
     """The ``fabric-hsdp`` argument parser (jsonargparse, so ``--config`` files work)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(prog="fabric-hsdp", description="Convert and inspect checkpoints for fabric-hsdp.")
+    parser = ArgumentParser(
+        prog="fabric-hsdp",
+        description="Convert and inspect checkpoints for fabric-hsdp. `fabric-hsdp run [fabric run's options] SCRIPT`"
+        " launches a script like Lightning's `fabric run`, with --strategy hsdp (see `fabric-hsdp run --help`).",
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     subcommands = parser.add_subcommands(dest="command")
@@ -122,8 +126,13 @@ def _run(command: str, args: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fabric-hsdp``; returns the exit code."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["run"]:  # `fabric run`'s options: Lightning's own parser reads them
+        from fabric_hsdp.run import main as run_main
+
+        return run_main(arguments[1:])
     parser = build_parser()
-    config = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    config = parser.parse_args(arguments)
     args = config[config.command]
     debug = bool(config.debug or args.debug)
     handler = logging.StreamHandler(sys.stderr)
