@@ -20,6 +20,7 @@ process of every other test.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import os
@@ -231,6 +232,7 @@ class SlurmCluster:
         except BaseException:
             self.stop(keep_directory=True)
             raise
+        atexit.register(self.stop, keep_directory=True)  # if the caller never gets to stop(): no daemons left behind
         return self
 
     def stop(self, keep_directory: bool = False) -> None:
