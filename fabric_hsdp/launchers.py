@@ -140,7 +140,9 @@ def check_launch(
     """Stop before the process group exists if the launcher did not start what ``Fabric(...)`` expects.
 
     The checks on the launch as a whole come first: every rank sees the same values and fails with the same message
-    instead of waiting in ``init_process_group`` for ranks that already exited.
+    instead of waiting in ``init_process_group`` for ranks that already exited. The launcher's own layout is checked
+    only when ``environment`` reads that launcher's variables (not, e.g., when Fabric started the processes itself
+    under a one-task ``srun``).
 
     Raises:
         ValueError: The launcher's processes per node, nodes or world size differ from ``Fabric(devices=...,
@@ -148,19 +150,20 @@ def check_launch(
     """
     expected = num_nodes * ranks_per_node
     by = f"{launcher.title} ({', '.join(launcher.evidence)})" if launcher.evidence else launcher.title
-    if launcher.name == SBATCH_SCRIPT and (launcher.world_size or 1) > 1:
+    reads_launcher = _reads(launcher, environment)
+    if launcher.name == SBATCH_SCRIPT and reads_launcher and (launcher.world_size or 1) > 1:
         raise ValueError(
             f"This process was started by a SLURM batch script without srun ({', '.join(launcher.evidence)}): the"
             " script runs once, on the first node, and would wait for ranks that never start. Start Python with"
             " `srun python ...` (see examples/launch/slurm.sbatch)."
         )
-    if launcher.ranks_per_node is not None and launcher.ranks_per_node != ranks_per_node:
+    if reads_launcher and launcher.ranks_per_node is not None and launcher.ranks_per_node != ranks_per_node:
         raise ValueError(
             f"{by} started {launcher.ranks_per_node} process(es) on this node, but Fabric(devices={ranks_per_node})"
             f" expects {ranks_per_node}. Pass devices= equal to the processes the launcher starts per node (torchrun"
             " --nproc-per-node, srun --ntasks-per-node, fabric run --devices)."
         )
-    if launcher.num_nodes is not None and launcher.num_nodes != num_nodes:
+    if reads_launcher and launcher.num_nodes is not None and launcher.num_nodes != num_nodes:
         raise ValueError(
             f"{by} started processes on {launcher.num_nodes} node(s), but Fabric(num_nodes={num_nodes}) expects"
             f" {num_nodes}. Pass num_nodes= equal to the nodes of the job (torchrun --nnodes, srun --nodes,"
@@ -201,8 +204,29 @@ def describe_launch(
         )
     if launcher.name == SRUN and launcher.job_name in _SLURM_SHELL_JOB_NAMES:
         notes.append(f"SLURM_JOB_NAME={launcher.job_name} is a salloc shell's, but srun started this step")
+    if launcher.name != NO_LAUNCHER and environment is not None and not _reads(launcher, environment):
+        notes.append(f"{name} does not read its variables (passed in, or Fabric started these processes)")
     note = f"; {'; '.join(notes)}" if notes else ""
     return f"{found}{note}: cluster environment {name}"
+
+
+def _reads(launcher: Launcher, environment: ClusterEnvironment) -> bool:
+    """Whether ``environment`` takes its ranks from ``launcher``'s variables."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    kinds = {
+        TORCHRUN: TorchElasticEnvironment,
+        JSRUN: LSFEnvironment,
+        MPIRUN: MPIEnvironment,
+        SRUN: SLURMEnvironment,
+        SBATCH_SCRIPT: SLURMEnvironment,
+    }
+    return launcher.name in kinds and isinstance(environment, kinds[launcher.name])
 
 
 def _int(value: str | None) -> int | None:

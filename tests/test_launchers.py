@@ -12,7 +12,6 @@ import warnings
 import lightning as L
 import pytest
 from lightning.fabric.plugins.environments import (
-    ClusterEnvironment,
     LightningEnvironment,
     LSFEnvironment,
     SLURMEnvironment,
@@ -172,8 +171,10 @@ class _RecordingMPIEnvironment(LightningEnvironment):
 
 def test_the_strategy_takes_mpi_over_slurm_and_fabric_keeps_it(monkeypatch):
     import lightning.fabric.plugins.environments as environments
+    import lightning.fabric.plugins.environments.mpi as lightning_mpi
 
     monkeypatch.setattr(environments, "MPIEnvironment", _RecordingMPIEnvironment)
+    monkeypatch.setattr(lightning_mpi, "_MPI4PY_AVAILABLE", True)  # CI keeps mpi4py off the venv's path
     _set_environ(monkeypatch, dict(BATCH_STEP, **OPEN_MPI))
     assert SLURMEnvironment.detect()  # Lightning alone would take SLURM's variables: SLURM_PROCID=0 on every rank
     fabric = L.Fabric(strategy=HybridFSDPStrategy(), accelerator="cpu", devices=2, num_nodes=2)
@@ -207,46 +208,29 @@ def test_lsf_jsrun_ranks_hosts_and_port_in_process(monkeypatch, tmp_path):
     assert describe_launch(launcher, environment).endswith("cluster environment LSFEnvironment")
 
 
-class _World(ClusterEnvironment):
-    """A launch that reports a fixed world size (what the launcher started)."""
+class _SlurmWorld(SLURMEnvironment):
+    """SLURMEnvironment as it reads a launch that started ``world_size`` tasks, without SLURM variables here."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int) -> None:  # no super().__init__(): it checks this process's variables
         self._world_size = world_size
-
-    creates_processes_externally = True
-    main_address = "127.0.0.1"
-    main_port = 1
-
-    @staticmethod
-    def detect() -> bool:
-        return True
 
     def world_size(self) -> int:
         return self._world_size
 
-    def set_world_size(self, size: int) -> None:
-        pass
 
-    def global_rank(self) -> int:
-        return 0
-
-    def set_global_rank(self, rank: int) -> None:
-        pass
-
-    def local_rank(self) -> int:
-        return 0
-
-    def node_rank(self) -> int:
-        return 0
+def _lightning_world(world_size: int) -> LightningEnvironment:
+    environment = LightningEnvironment()
+    environment.set_world_size(world_size)
+    return environment
 
 
 def test_check_launch_stops_every_rank_on_a_mismatch_before_any_process_group():
     srun = detect_launcher(SRUN_TASK)
-    check_launch(srun, _World(4), num_nodes=2, ranks_per_node=2, local_rank=1)
+    check_launch(srun, _SlurmWorld(4), num_nodes=2, ranks_per_node=2, local_rank=1)
     # --ntasks-per-node=2 but Fabric(devices=1): the same message on every rank, whatever its local rank
     for local_rank in (0, 1):
         with pytest.raises(ValueError) as error:
-            check_launch(srun, _World(4), num_nodes=2, ranks_per_node=1, local_rank=local_rank)
+            check_launch(srun, _SlurmWorld(4), num_nodes=2, ranks_per_node=1, local_rank=local_rank)
         assert str(error.value) == (
             "srun (SLURM_JOB_ID=7, SLURM_STEP_ID=0, SLURM_NTASKS=4, SLURM_STEP_TASKS_PER_NODE=2(x2),"
             " SLURM_JOB_NAME=hsdp-train) started 2 process(es) on this node, but Fabric(devices=1) expects 1. Pass"
@@ -254,28 +238,41 @@ def test_check_launch_stops_every_rank_on_a_mismatch_before_any_process_group():
             " --ntasks-per-node, fabric run --devices)."
         )
     with pytest.raises(ValueError, match=r"started processes on 2 node\(s\), but Fabric\(num_nodes=1\) expects 1"):
-        check_launch(srun, _World(4), num_nodes=1, ranks_per_node=2, local_rank=0)
+        check_launch(srun, _SlurmWorld(4), num_nodes=1, ranks_per_node=2, local_rank=0)
     # launchers that give no layout: the world size, then this rank's local rank
     plain = Launcher(NO_LAUNCHER)
-    with pytest.raises(ValueError, match=r"num_nodes\(2\) \* devices\(2\) != WORLD_SIZE\(8\) reported by _World"):
-        check_launch(plain, _World(8), num_nodes=2, ranks_per_node=2, local_rank=0)
+    with pytest.raises(ValueError, match=r"num_nodes\(2\) \* devices\(2\) != WORLD_SIZE\(8\) reported by _SlurmWorld"):
+        check_launch(plain, _SlurmWorld(8), num_nodes=2, ranks_per_node=2, local_rank=0)
     with pytest.raises(ValueError, match=r"LOCAL_RANK=2, but Fabric\(devices=2\) knows only 2 device"):
-        check_launch(plain, _World(4), num_nodes=2, ranks_per_node=2, local_rank=2)
+        check_launch(plain, _lightning_world(4), num_nodes=2, ranks_per_node=2, local_rank=2)
+
+
+def test_the_launcher_layout_counts_only_when_the_environment_reads_that_launcher():
+    """A one-task srun (job named "interactive") whose Python lets Fabric start 2 processes: srun's 1 per node is not
+    the layout then; each of Fabric's processes has LightningEnvironment and the world Fabric made."""
+    one_task = dict(SRUN_TASK, SLURM_JOB_NAME="interactive", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NUM_NODES="1")
+    one_task.update(SLURM_STEP_TASKS_PER_NODE="1", SLURM_NTASKS="1")
+    launcher = detect_launcher(one_task)
+    assert (launcher.name, launcher.ranks_per_node) == (SRUN, 1)
+    check_launch(launcher, _lightning_world(2), num_nodes=1, ranks_per_node=2, local_rank=1)
+    with pytest.raises(ValueError, match=r"started 1 process\(es\) on this node, but Fabric\(devices=2\)"):
+        check_launch(launcher, _SlurmWorld(1), num_nodes=1, ranks_per_node=2, local_rank=0)
 
 
 def test_a_batch_script_without_srun_is_stopped_unless_the_job_has_one_task():
     with pytest.raises(ValueError, match=r"SLURM batch script without srun .*`srun python \.\.\.`"):
-        check_launch(detect_launcher(BATCH_STEP), _World(4), num_nodes=2, ranks_per_node=2, local_rank=0)
+        check_launch(detect_launcher(BATCH_STEP), _SlurmWorld(4), num_nodes=2, ranks_per_node=2, local_rank=0)
     one_task = dict(BATCH_STEP, SLURM_NTASKS="1", SLURM_NNODES="1")
-    check_launch(detect_launcher(one_task), _World(1), num_nodes=1, ranks_per_node=1, local_rank=0)
+    check_launch(detect_launcher(one_task), _SlurmWorld(1), num_nodes=1, ranks_per_node=1, local_rank=0)
 
 
 def test_the_start_up_line_says_which_launcher_and_why():
     mpi = describe_launch(detect_launcher(MPI_RANK_ON_SECOND_NODE), LightningEnvironment(), MPI_RANK_ON_SECOND_NODE)
     assert mpi == (
         "launched by mpirun (Open MPI) (OMPI_COMM_WORLD_SIZE=4, OMPI_COMM_WORLD_LOCAL_SIZE=2); the SLURM variables it"
-        " inherited (SLURM_PROCID=0, SLURM_NTASKS=1) describe the allocation, not these processes: cluster environment"
-        " LightningEnvironment"
+        " inherited (SLURM_PROCID=0, SLURM_NTASKS=1) describe the allocation, not these processes;"
+        " LightningEnvironment does not read its variables (passed in, or Fabric started these processes): cluster"
+        " environment LightningEnvironment"
     )
     interactive = dict(SRUN_TASK, SLURM_JOB_NAME="interactive")
     line = describe_launch(detect_launcher(interactive), SLURMEnvironment(), interactive)
