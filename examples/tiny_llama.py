@@ -56,20 +56,21 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads = config.n_heads
+        self.head_dim = config.dim // config.n_heads
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
         self.wv = nn.Linear(config.dim, config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        shape = (batch, seq, self.n_heads, dim // self.n_heads)
+        batch, seq, _ = x.shape
+        # heads from the projection's width (-1), not the config: under tensor parallelism a rank holds some heads
+        shape = (batch, seq, -1, self.head_dim)
         q = apply_rope(self.wq(x).view(shape), rope).transpose(1, 2)
         k = apply_rope(self.wk(x).view(shape), rope).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -97,6 +98,20 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    # How tensor parallelism splits it, in transformers' form (HybridFSDPStrategy's tensor_parallel_plan="auto"):
+    # attention and MLP Megatron-style, the embedding by vocabulary rows, the output head with gathered logits.
+    _tp_plan = {
+        "tok_embeddings": "embedding_rowwise",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "output": "colwise_gather_output",
+    }
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

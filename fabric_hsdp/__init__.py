@@ -1,24 +1,68 @@
 """fabric-hsdp: hybrid sharded data parallel (FSDP2 over a named DeviceMesh) for Lightning Fabric.
 
-Importing the package registers ``strategy="hsdp"`` in Lightning's strategy registry.
+``from fabric_hsdp import HybridFSDPStrategy`` is the strategy. Importing the package registers ``strategy="hsdp"``
+in Lightning's strategy registry, but imports neither Lightning nor the strategy: the registration happens when
+Lightning's registry is imported (now, if it already is), and the strategy class is imported on first use. So the
+``fabric-hsdp`` command and :mod:`fabric_hsdp.checkpoint` start without Lightning's import time.
 """
 
-import logging
+from __future__ import annotations
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
 
-from fabric_hsdp.strategy import HybridFSDPStrategy
+from fabric_hsdp.errors import CheckpointError, FabricHSDPError, PeerRankError, SaveError
+from fabric_hsdp.logs import configure_package_logger
 
-__all__ = ["HybridFSDPStrategy"]
+__all__ = ["CheckpointError", "FabricHSDPError", "HybridFSDPStrategy", "PeerRankError", "SaveError"]
 __version__ = "0.1.0"
 
-# Like Lightning's own logger: INFO to stderr unless the application configured logging itself.
-_logger = logging.getLogger(__name__)
-_logger.setLevel(logging.INFO)
-if not logging.getLogger().hasHandlers():
-    _logger.addHandler(logging.StreamHandler())
+_REGISTRY_MODULE = "lightning.fabric.strategies"
 
-if "hsdp" not in STRATEGY_REGISTRY:
-    STRATEGY_REGISTRY.register(
-        "hsdp", HybridFSDPStrategy, description="FSDP2 hybrid sharding: shard within a node, replicate across nodes"
-    )
+
+def __getattr__(name: str) -> Any:
+    if name == "HybridFSDPStrategy":
+        from fabric_hsdp.strategy import HybridFSDPStrategy
+
+        return HybridFSDPStrategy
+    raise AttributeError(f"module 'fabric_hsdp' has no attribute {name!r}")
+
+
+def _hsdp_strategy(**kwargs: Any) -> Any:
+    from fabric_hsdp.strategy import HybridFSDPStrategy
+
+    return HybridFSDPStrategy(**kwargs)
+
+
+def _register(registry: Any) -> None:
+    if "hsdp" not in registry:
+        description = "FSDP2 hybrid sharding (fabric-hsdp): shard within a node, replicate across nodes"
+        registry.register("hsdp", _hsdp_strategy, description=description)
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Adds ``"hsdp"`` to Lightning's strategy registry right after Lightning creates it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _REGISTRY_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            execute = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                execute(module)
+                _register(module.STRATEGY_REGISTRY)
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+configure_package_logger()
+if _REGISTRY_MODULE in sys.modules:
+    _register(sys.modules[_REGISTRY_MODULE].STRATEGY_REGISTRY)
+elif not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())

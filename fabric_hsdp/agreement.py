@@ -7,9 +7,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-
-class PeerRankError(RuntimeError):
-    """Raised on the ranks that succeeded when another rank failed the same step."""
+from fabric_hsdp.errors import PeerRankError
 
 
 @contextmanager

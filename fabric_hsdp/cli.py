@@ -33,17 +33,20 @@ def build_parser() -> Any:
         prog="fabric-hsdp",
         description="Convert and inspect checkpoints for fabric-hsdp. `fabric-hsdp run [fabric run's options] SCRIPT`"
         " launches a script like Lightning's `fabric run`, with --strategy hsdp (see `fabric-hsdp run --help`).",
+        exit_on_error=False,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     subcommands = parser.add_subcommands(dest="command")
 
-    convert = ArgumentParser(description=_CONVERT_HELP)
+    convert = ArgumentParser(description=_CONVERT_HELP, exit_on_error=False)
     convert.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
     convert.add_argument("source", type=str, help="checkpoint to read")
     convert.add_argument("dest", type=str, help="output path (must not exist unless --overwrite)")
     convert.add_argument("--to", type=str | None, choices=["dcp", "torch", "safetensors"], help="output format")
-    convert.add_argument("--dtype", type=str | None, choices=["bf16", "fp16", "fp32"], help="cast float tensors")
+    convert.add_argument(
+        "--dtype", type=str | None, help="cast float tensors: bf16, fp16, fp32 (or torch's names: bfloat16, ...)"
+    )
     convert.add_argument(
         "--key_map",
         type=list[str] | str | None,
@@ -59,7 +62,7 @@ def build_parser() -> Any:
     convert.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     subcommands.add_subcommand("convert", convert, help="convert a checkpoint to DCP, a torch file or safetensors")
 
-    inspect = ArgumentParser(description="Describe a checkpoint without reading tensor data.")
+    inspect = ArgumentParser(description="Describe a checkpoint without reading tensor data.", exit_on_error=False)
     inspect.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
     inspect.add_argument("path", type=str, help="checkpoint file or directory")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -70,7 +73,7 @@ def build_parser() -> Any:
 
 
 def _print_inspection(info: dict[str, Any]) -> None:
-    from fabric_hsdp.checkpoint.convert import format_bytes
+    from fabric_hsdp.checkpoint.progress import format_bytes
 
     dtypes = ", ".join(f"{dtype} x{count}" for dtype, count in info["dtypes"].items())
     print(f"{info['path']}: {info['format']}")
@@ -85,6 +88,12 @@ def _print_inspection(info: dict[str, Any]) -> None:
         print(f"    ... {info['tensors'] - len(info['first_keys'])} more")
     for key, extra in info["extras"].items():
         print(f"  extra {key!r}: {extra['tensors']} tensors, {format_bytes(extra['bytes'])}")
+    if info["format"] == "dcp" and info["model_key"]:
+        key = info["model_key"]
+        print(
+            f"  layout: model tensors stored as '{key}.<name>' (Lightning's layout, what fabric.load(path,"
+            f" {{'{key}': model}}) reads); torch's dcp_to_torch_save returns {{'{key}': {{...}}, ...}}"
+        )
     if "dcp" in info:
         dcp = info["dcp"]
         files = ", ".join(f"{entry['name']} ({format_bytes(entry['bytes'])})" for entry in dcp["files"])
@@ -126,13 +135,19 @@ def _run(command: str, args: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fabric-hsdp``; returns the exit code."""
+    from jsonargparse import ArgumentError
+
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["run"]:  # `fabric run`'s options: Lightning's own parser reads them
         from fabric_hsdp.run import main as run_main
 
         return run_main(arguments[1:])
     parser = build_parser()
-    config = parser.parse_args(arguments)
+    try:
+        config = parser.parse_args(arguments)
+    except ArgumentError as error:
+        print(f"fabric-hsdp: error: {_one_line(error)} (see fabric-hsdp --help)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     args = config[config.command]
     debug = bool(config.debug or args.debug)
     handler = logging.StreamHandler(sys.stderr)

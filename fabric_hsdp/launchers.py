@@ -23,8 +23,10 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lightning.fabric.plugins import ClusterEnvironment
+if TYPE_CHECKING:  # detection itself needs no Lightning
+    from lightning.fabric.plugins import ClusterEnvironment
 
 TORCHRUN, JSRUN, MPIRUN, SRUN, SBATCH_SCRIPT, NO_LAUNCHER = (
     "torchrun",
@@ -120,7 +122,7 @@ def environment_for(launcher: Launcher) -> ClusterEnvironment | None:
 
         if not _MPI4PY_AVAILABLE:
             raise ModuleNotFoundError(
-                f"This process was started by {launcher.title} ({', '.join(launcher.evidence)}), and Lightning's"
+                f"this process was started by {launcher.title} ({', '.join(launcher.evidence)}), and Lightning's"
                 " MPIEnvironment needs mpi4py to learn the ranks and agree on rank 0's address. Install it where"
                 " the MPI that provides mpirun is found: `pip install mpi4py`."
             )
@@ -140,9 +142,9 @@ def check_launch(
     """Stop before the process group exists if the launcher did not start what ``Fabric(...)`` expects.
 
     The checks on the launch as a whole come first: every rank sees the same values and fails with the same message
-    instead of waiting in ``init_process_group`` for ranks that already exited. The launcher's own layout is checked
-    only when ``environment`` reads that launcher's variables (not, e.g., when Fabric started the processes itself
-    under a one-task ``srun``).
+    instead of waiting in ``init_process_group`` for ranks that already exited. The launcher's layout and world size
+    are checked only when ``environment`` reads that launcher's variables (not, e.g., when Fabric started the
+    processes itself under a one-task ``srun``).
 
     Raises:
         ValueError: The launcher's processes per node, nodes or world size differ from ``Fabric(devices=...,
@@ -153,7 +155,7 @@ def check_launch(
     reads_launcher = _reads(launcher, environment)
     if launcher.name == SBATCH_SCRIPT and reads_launcher and (launcher.world_size or 1) > 1:
         raise ValueError(
-            f"This process was started by a SLURM batch script without srun ({', '.join(launcher.evidence)}): the"
+            f"this process was started by a SLURM batch script without srun ({', '.join(launcher.evidence)}): the"
             " script runs once, on the first node, and would wait for ranks that never start. Start Python with"
             " `srun python ...` (see examples/launch/slurm.sbatch)."
         )
@@ -169,8 +171,8 @@ def check_launch(
             f" {num_nodes}. Pass num_nodes= equal to the nodes of the job (torchrun --nnodes, srun --nodes,"
             " fabric run --num-nodes)."
         )
-    world_size = environment.world_size()
-    if world_size != expected:
+    world_size = environment.world_size()  # Lightning's own environment learns it from Fabric: nothing to check then
+    if reads_launcher and world_size != expected:
         raise ValueError(
             f"num_nodes({num_nodes}) * devices({ranks_per_node}) != WORLD_SIZE({world_size}) reported by"
             f" {type(environment).__name__} (launcher: {by}). Pass Fabric(num_nodes=..., devices=...) matching what"
@@ -178,7 +180,7 @@ def check_launch(
         )
     if local_rank >= ranks_per_node:
         raise ValueError(
-            f"This process has LOCAL_RANK={local_rank}, but Fabric(devices={ranks_per_node}) knows only"
+            f"this process has LOCAL_RANK={local_rank}, but Fabric(devices={ranks_per_node}) knows only"
             f" {ranks_per_node} device(s) per node. Pass devices= equal to the processes the launcher starts per"
             " node (torchrun --nproc-per-node, srun --ntasks-per-node, fabric run --devices)."
         )

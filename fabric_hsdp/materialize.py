@@ -20,10 +20,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_warn
 from torch import nn
 
-from fabric_hsdp.topology import REPLICATE_DIM, SHARD_DIM
-
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from fabric_hsdp.topology import ParallelMesh
 
 _META = torch.device("meta")
 
@@ -62,34 +60,38 @@ def _initialize(module: nn.Module, owners: list[nn.Module]) -> set[str]:
     return uninitialized
 
 
-def make_replicas_identical(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Broadcast every local shard from the first replica along ``replicate``.
+def make_replicas_identical(module: nn.Module, mesh: ParallelMesh) -> None:
+    """Make every local shard equal on the ranks that should hold the same values: broadcast along each such dim.
 
-    Replicas must start from identical shards, but ranks seeded differently (``seed_everything(seed + rank)``) build
-    or initialise different weights; FSDP2 does not synchronise them. Costs one shard per rank, once.
+    Replicas (``replicate``) must start from identical shards, and so must tensor-parallel peers for the parameters
+    tensor parallelism does not split (norms), but ranks seeded differently (``seed_everything(seed + rank)``) build
+    or initialise different weights, and neither FSDP2 nor tensor parallelism synchronises them. Each tensor is
+    broadcast from index 0 along every dim it is replicated on (:meth:`ParallelMesh.replicated_dims`); costs one
+    shard per rank and dim, once.
     """
     from torch.distributed.tensor import DTensor
 
-    if mesh.size(0) == 1:
-        return
-    group = mesh.get_group(REPLICATE_DIM)
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            dist.broadcast(local, group=group, group_src=0)
+            for dim in mesh.replicated_dims(tensor):
+                if mesh.device_mesh.size(mesh.dim_names.index(dim)) > 1:
+                    dist.broadcast(local, group=mesh.group(dim), group_src=0)
 
 
 def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
 
 
-def materialize_local_shards(module: nn.Module, device: torch.device, mesh: DeviceMesh) -> None:
+def materialize_local_shards(module: nn.Module, device: torch.device, position_in_copy: int) -> None:
     """Allocate the meta parameters' local shards on ``device`` and initialise them with ``reset_parameters()``.
 
     Real buffers keep their values (``to_empty`` would replace them with uninitialised memory); only modules that
     owned meta tensors are re-initialised. On CUDA, DTensor's random ops give each shard its own part of one random
     stream. On CPU they draw from each rank's own generator, so every shard peer would draw the *same* numbers (each
-    full parameter its first shard repeated): there each shard index gets its own seed, derived from rank 0's.
+    full parameter its first shard repeated): there each part of a model copy (``position_in_copy``: shard and
+    tensor-parallel index) gets its own seed, derived from rank 0's; :func:`make_replicas_identical` then makes the
+    copies of replicated values equal.
     """
     if not has_meta_tensors(module):
         return
@@ -109,7 +111,7 @@ def materialize_local_shards(module: nn.Module, device: torch.device, mesh: Devi
         dist.broadcast_object_list(seed, src=0)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
-            torch.manual_seed(seed[0] + 1 + mesh.get_local_rank(SHARD_DIM))
+            torch.manual_seed(seed[0] + 1 + position_in_copy)
             uninitialized = _initialize(module, owners)
     else:
         uninitialized = _initialize(module, owners)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities import rank_zero_info
 from torch import nn
+
+from fabric_hsdp.logs import info_on_rank_zero
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+_logger = logging.getLogger(__name__)
 
 ModulePolicy = set[type[nn.Module]] | Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool]
 
@@ -59,13 +63,22 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def offload_policy(cpu_offload: bool | OffloadPolicy) -> OffloadPolicy:
-    """``True`` means FSDP2's ``CPUOffloadPolicy()``; a policy object is used as given."""
+def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> OffloadPolicy:
+    """``True`` means FSDP2's ``CPUOffloadPolicy()``; a policy object is used as given.
+
+    Raises:
+        ValueError: offloading was asked for on a CPU device, where the shards already are in CPU memory (FSDP2's
+            offload copies them to an accelerator for each step and fails without one).
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    if isinstance(cpu_offload, OffloadPolicy):
-        return cpu_offload
-    return CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    policy = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else CPUOffloadPolicy() if cpu_offload else None
+    if isinstance(policy, CPUOffloadPolicy) and device.type == "cpu":
+        raise ValueError(
+            "HybridFSDPStrategy(cpu_offload=True) moves the shards from an accelerator's memory to CPU memory, but this"
+            " run's device is the CPU, where they already are. Drop cpu_offload, or run on GPUs."
+        )
+    return policy or OffloadPolicy()
 
 
 @dataclass
@@ -97,7 +110,7 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list
     matcher = plan.sharded_modules or _module_list_layers(module)
     units = [(name, child) for name, child in named if matcher(name, child)]
     if plan.sharded_modules is None and units:
-        rank_zero_info(f"HybridFSDPStrategy: sharding {len(units)} layers ({_class_names(units)}) one unit each")
+        info_on_rank_zero(_logger, "sharding %d layers (%s) one unit each", len(units), _class_names(units))
     if not units:
         what = "sharded_modules=..." if plan.sharded_modules else "sharded_modules=None (layers of nn.ModuleLists)"
         raise ValueError(
@@ -106,9 +119,10 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list
             " HybridFSDPStrategy(sharded_modules={Block})."
         )
     if plan.activation_checkpointing is not None:
-        for name, child in named:
-            if plan.activation_checkpointing(name, child):
-                checkpoint(child)
+        checkpointed = [child for name, child in named if plan.activation_checkpointing(name, child)]
+        for child in checkpointed:
+            checkpoint(child)
+        _disable_kv_cache(module, checkpointed)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
     if plan.mp_policy is not None:
         kwargs["mp_policy"] = plan.mp_policy
@@ -119,6 +133,15 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list
         fully_shard(child, **kwargs)
     fully_shard(module, **kwargs)
     return [name for name, _ in units]
+
+
+def _disable_kv_cache(module: nn.Module, checkpointed: list[nn.Module]) -> None:
+    """Turn off a transformers model's KV cache when layers recompute their forward, as ``gradient_checkpointing``
+    does: the recomputation would append the keys and values to the cache a second time."""
+    config = getattr(module, "config", None)
+    if checkpointed and getattr(config, "use_cache", False):
+        config.use_cache = False
+        info_on_rank_zero(_logger, "activation checkpointing: set %s.config.use_cache=False", type(module).__name__)
 
 
 def _module_list_layers(module: nn.Module) -> Callable[[str, nn.Module], bool]:

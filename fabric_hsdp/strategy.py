@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -13,7 +11,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -21,30 +18,25 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
-from lightning.fabric.utilities.distributed import (
-    ReduceOp,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities import rank_zero_warn
+from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
 from lightning.fabric.utilities.load import _move_state_into
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from fabric_hsdp import distributed
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.background import BackgroundSave
+from fabric_hsdp.checkpoint.background import BackgroundSaves
+from fabric_hsdp.checkpoint.full import save_full
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
-from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_full, save_sharded, split_state
+from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
+from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
+from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.sharding import (
     ModulePolicy,
@@ -55,10 +47,11 @@ from fabric_hsdp.sharding import (
     offload_policy,
     shard_model,
 )
-from fabric_hsdp.teardown import ShardedModuleRegistry
-from fabric_hsdp.topology import ShardSize, Topology, validate_shard_size
+from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
+from fabric_hsdp.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, validate_plan
+from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology, validate_shard_size, validate_tensor_parallel_size
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
 
 
 def _validate_state_dict_type(state_dict_type: str) -> str:
@@ -70,9 +63,10 @@ def _validate_state_dict_type(state_dict_type: str) -> str:
 class HybridFSDPStrategy(ParallelStrategy):
     """Hybrid sharded data parallel (HSDP) on FSDP2: shard within a node (or group of nodes), replicate across them.
 
-    Every rank is a data-parallel replica. Parameters, gradients and optimizer state are sharded over the ``shard``
-    dim of a named 2-D ``DeviceMesh`` ``(replicate, shard)`` (see ``device_mesh``); the ``replicate`` dim only carries
-    the all-reduce of each shard's gradients, so all-gathers never cross the slow inter-node link.
+    Parameters, gradients and optimizer state are sharded over the ``shard`` dim of a named ``DeviceMesh``
+    ``(replicate, shard)`` (see ``device_mesh``); the ``replicate`` dim only carries the all-reduce of each shard's
+    gradients, so all-gathers never cross the slow inter-node link. With ``tensor_parallel_size=T`` the mesh is
+    ``(replicate, shard, tensor)``: each layer is also split ``T`` ways by tensor parallelism inside a node.
 
     Arguments:
         sharded_modules: The module classes (e.g. ``{Block}``, the transformer layer) that each become one
@@ -81,7 +75,19 @@ class HybridFSDPStrategy(ParallelStrategy):
             containers (litgpt's ``transformer.h``, Hugging Face's ``model.layers``) and logs the classes chosen.
         shard_size: Ranks that shard one copy of the model: ``"node"`` (default: the devices of one node),
             ``"world"`` (plain FSDP over all ranks), or a number (e.g. 16 = two 8-GPU nodes, for a model that does not
-            fit in one node). Must divide the world size and cover whole nodes or equal parts of one node.
+            fit in one node). Must divide the world size and cover whole nodes or equal parts of one node. With
+            tensor parallelism these ranks split the model ``T`` ways by TP and ``shard_size / T`` ways by FSDP.
+        tensor_parallel_size: Ranks that split each layer by tensor parallelism (``T``; default 1: none). Must divide
+            the devices per node (tensor-parallel peers are consecutive ranks of one node) and ``shard_size``, and
+            every dim the plan splits (heads, key/value heads, intermediate size, vocabulary): checked at setup, with
+            the module, dim and size named. Tensor-parallel peers share their micro-batches
+            (``distributed_sampler_kwargs`` counts ``world / T`` data-parallel ranks).
+        tensor_parallel_plan: ``"auto"`` (default: transformers models' own plan, litgpt's ``GPT``, and models with a
+            ``_tp_plan`` attribute), a dict of module-name patterns (``*`` for one name part) to a torch
+            ``ParallelStyle``, one of transformers' style names (``"colwise"``, ``"rowwise"``,
+            ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"sequence_parallel"``, ...) or
+            ``fabric_hsdp.tensor_parallel.FusedColwise``, or a callable ``(model, tensor_mesh) -> None``. Applied
+            before activation checkpointing and ``fully_shard``.
         reshard_after_forward: FSDP2's ``reshard_after_forward``: ``True`` frees gathered parameters after forward
             (least memory), ``False`` keeps them for backward (less communication), an int reshards to that smaller
             group size. ``None`` lets FSDP2 decide (reshard, except for the root).
@@ -124,6 +130,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         self,
         sharded_modules: ModulePolicy | None = None,
         shard_size: ShardSize = "node",
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlan = "auto",
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: ModulePolicy | None = None,
         cpu_offload: bool | Any = False,
@@ -149,12 +157,12 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
         self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
         self._shard_size = validate_shard_size(shard_size)
+        self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
+        self._tensor_parallel_plan = validate_plan(tensor_parallel_plan)
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
-        self._async_save = async_save
-        self._background_group: Any = None  # gloo group for DCP's collectives while saving in the background
-        self._pending_save: BackgroundSave | None = None
+        self._background = BackgroundSaves(enabled=async_save)
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._split_replica_reads = split_replica_reads
@@ -163,21 +171,28 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._backward_sync_control = _ParallelBackwardSyncControl()
         self._topology: Topology | None = None
-        self._device_mesh: Any = None
+        self._mesh: ParallelMesh | None = None
         self._sharded = ShardedModuleRegistry()
 
     @property
     def device_mesh(self) -> Any:
-        """The named ``DeviceMesh`` with dims ``("replicate", "shard")``; exists once the processes are set up."""
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks.")
-        return self._device_mesh
+        """The named ``DeviceMesh``: dims ``("replicate", "shard")``, or ``("replicate", "shard", "tensor")`` with
+        tensor parallelism; exists once the processes are set up."""
+        return self.parallel_mesh.device_mesh
+
+    @property
+    def parallel_mesh(self) -> ParallelMesh:
+        """The mesh and its sub-meshes by purpose (``fsdp``, ``tensor``, ``replicate``); exists once the processes
+        are set up."""
+        if self._mesh is None:
+            raise RuntimeError("the device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks")
+        return self._mesh
 
     @property
     def topology(self) -> Topology:
         """Degrees of the mesh (``shard_size``, ``replicate_size``, nodes, ranks per node) and this rank's place."""
         if self._topology is None:
-            raise RuntimeError("The topology exists only after fabric.launch() (or `fabric run`) set up the ranks.")
+            raise RuntimeError("the topology exists only after fabric.launch() (or `fabric run`) set up the ranks")
         return self._topology
 
     @property
@@ -193,7 +208,8 @@ class HybridFSDPStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
+        if self.parallel_devices is None:
+            raise RuntimeError("the strategy has no devices yet: pass it to L.Fabric(...), which assigns them")
         return self.parallel_devices[self.local_rank]
 
     @property
@@ -211,8 +227,9 @@ class HybridFSDPStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank sees its own data: replicas *and* shard peers each compute on a different micro-batch.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # Replicas and FSDP shard peers each compute on their own micro-batch; tensor-parallel peers share one.
+        topology = self.topology
+        return {"num_replicas": topology.data_parallel_size, "rank": topology.data_parallel_rank(self.global_rank)}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -220,23 +237,35 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
+        if self.cluster_environment is None:
+            raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
-        assert self.cluster_environment is not None
+        if self.cluster_environment is None:
+            raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
         check_launch(self._launched_by, self.cluster_environment, self.num_nodes, self.num_processes, self.local_rank)
-        rank_zero_info(f"HybridFSDPStrategy: {describe_launch(self._launched_by, self.cluster_environment)}")
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
-        self._setup_distributed()
-        self._topology = Topology.resolve(self._shard_size, self.num_nodes, self.num_processes, self.world_size)
-        self._device_mesh = self._topology.build_mesh(self.root_device.type)
-        if self._async_save:
-            self._background_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._process_group_backend = distributed.init_process_group(
+            self.cluster_environment,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            ranks_per_node=self.num_processes,
+            num_nodes=self.num_nodes,
+            device=self.root_device,
+            backend=self._process_group_backend,
+            timeout=self._timeout,
+        )
+        self._topology = Topology.resolve(
+            self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
+        )
+        self._mesh = self._topology.build_mesh(self.root_device.type)
+        self._background.set_up(self._timeout)
         atexit.register(self._end_of_process)
-        rank_zero_info(f"HybridFSDPStrategy: {self._topology.describe()}")
+        info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
+        info_on_rank_zero(_logger, "%s", self._topology.describe())
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -251,12 +280,15 @@ class HybridFSDPStrategy(ParallelStrategy):
                 activation_checkpointing=self._activation_checkpointing,
                 reshard_after_forward=self._reshard_after_forward,
                 mp_policy=mixed_precision_policy(self.precision_name),
-                offload_policy=offload_policy(self._cpu_offload),
+                offload_policy=offload_policy(self._cpu_offload, self.root_device),
             )
-            shard_model(module, self.device_mesh, plan)
+            mesh = self.parallel_mesh
+            if mesh.tensor is not None:  # tensor parallelism first, then activation checkpointing and fully_shard
+                apply_tensor_parallel(module, self._tensor_parallel_plan, mesh.tensor)
+            shard_model(module, mesh.fsdp, plan)
         # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
-        materialize_local_shards(module, self.root_device, self.device_mesh)
-        make_replicas_identical(module, self.device_mesh)
+        materialize_local_shards(module, self.root_device, self.topology.position_in_copy(self.global_rank))
+        make_replicas_identical(module, mesh)
         self._sharded.add(module)
         return module
 
@@ -313,11 +345,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        from torch.distributed.tensor import DTensor
-
-        total_norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        # The norm over DTensor shards is itself a DTensor (already reduced over all ranks); hand back a plain tensor.
-        return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+        self.precision.unscale_gradients(optimizer)
+        parameters = self.precision.main_params(optimizer)
+        return clip_grad_norm(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
@@ -327,20 +357,11 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        distributed.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src)
-        return objects[0]
+        return distributed.broadcast_object(obj, src)
 
     @override
     def save_checkpoint(
@@ -363,22 +384,14 @@ class HybridFSDPStrategy(ParallelStrategy):
         if self._state_dict_type == "full" or path.suffix == ".safetensors":
             save_full(path, state)
         else:
-            self._pending_save = save_sharded(path, state, self.broadcast, background_group=self._background_group)
+            self._background.started(save_sharded(path, state, self.broadcast, background_group=self._background.group))
 
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.
 
         Call it on every rank. Saves, loads and ``teardown()`` call it themselves.
         """
-        pending = self._pending_save
-        if pending is None:
-            return
-        try:
-            pending.wait()
-        except Exception:
-            self._pending_save = None  # its failure is reported; an interrupt keeps it for the exit handler
-            raise
-        self._pending_save = None
+        self._background.wait()
 
     @override
     def load_checkpoint(
@@ -408,7 +421,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             raise NotImplementedError(
                 "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
             )
-        model_key, model, optimizers, plain = split_state(state)
+        model_key, model, optimizers, plain = state_parts(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
             split_mesh = self.device_mesh if self._split_replica_reads else None
             return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
@@ -468,7 +481,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         try:
             self.wait_for_checkpoint()
         finally:
-            self._background_group = None
+            self._background.close()
             self._sharded.release_and_destroy()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
@@ -484,38 +497,7 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     def _end_of_process(self) -> None:
         """At interpreter exit: finish a background save, then release the modules and the process group."""
-        pending, self._pending_save = self._pending_save, None
-        failed = False
-        if pending is not None:
-            try:
-                pending.wait(together=False)  # the other ranks may be gone: no collective here
-            except RuntimeError as error:
-                _logger.error("fabric_hsdp: %s", error)
-                failed = True
-        self._background_group = None
+        failed = self._background.finish_at_exit()
         self._sharded.release_and_destroy()
-        if failed:
-            # a checkpoint the script asked for was not written: the exit status must say so. Only os._exit sets it
-            # from here; it skips the atexit handlers registered before this one, so flush what they would have.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-
-    def _setup_distributed(self) -> None:
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if failed:  # a checkpoint the script asked for was not written: the exit status must say so
+            exit_now(1)

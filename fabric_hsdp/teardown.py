@@ -1,7 +1,7 @@
 """A clean end for every rank: release the sharded modules, then destroy the process group.
 
-On torch 2.13 CPU builds, ranks that ran an FSDP2 forward on gloo were seen to abort at interpreter exit ("terminate
-called without an active exception") when the process group died before the FSDP states that reference it. The
+Ranks that ran an FSDP2 forward can abort at interpreter exit ("terminate called without an active exception") when
+the process group dies before the FSDP states that reference it (reported with torch's CPU builds on gloo). The
 strategy therefore registers ``release_and_destroy`` with ``atexit``: it drops the FSDP2 state (and with it the
 references to the process groups) from every module it sharded, then destroys the process group while the interpreter
 is still whole. It also runs from ``HybridFSDPStrategy.teardown()``.
@@ -10,6 +10,9 @@ is still whole. It also runs from ``HybridFSDPStrategy.teardown()``.
 from __future__ import annotations
 
 import gc
+import logging
+import os
+import sys
 import weakref
 
 import torch.distributed as dist
@@ -53,3 +56,14 @@ def _release(module: nn.Module) -> None:
             submodule._backward_hooks,
         ):
             hooks.clear()
+
+
+def exit_now(status: int) -> None:
+    """End the process with ``status`` from an ``atexit`` handler, where ``sys.exit`` cannot set it.
+
+    ``os._exit`` skips the ``atexit`` handlers registered before the caller, so flush what they would have flushed.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,22 +1,35 @@
-"""The hybrid-sharding topology: how many ranks shard a model together, how many replicas of that group exist.
+"""The topology of a job: its degrees, their validation, the named ``DeviceMesh`` and its sub-meshes by purpose.
 
-A world of ``num_nodes x ranks_per_node`` ranks becomes a 2-D mesh ``(replicate, shard)``. Global ranks are laid out
-node by node (Lightning's ``global_rank = node_rank * ranks_per_node + local_rank``), and the mesh is row-major, so a
-shard group is a run of consecutive ranks: one node, a part of one node, or several whole nodes. Parameters, gradients
-and optimizer state are sharded along ``shard``; only the gradient all-reduce of a shard travels along ``replicate``.
+A world of ``num_nodes x ranks_per_node`` ranks is laid out node by node (Lightning's ``global_rank = node_rank *
+ranks_per_node + local_rank``). ``shard_size`` ranks hold one copy of the model together (a node, part of one, or
+several whole nodes); ``replicate_size = world / shard_size`` copies exist. With tensor parallelism of degree ``T``
+each copy is split ``T`` ways by tensor parallelism and ``S = shard_size / T`` ways by FSDP:
+
+* ``T == 1``: a 2-D mesh ``(replicate, shard)`` of shape ``(R, shard_size)``.
+* ``T > 1``: a 3-D mesh ``(replicate, shard, tensor)`` of shape ``(R, S, T)``, tensor innermost: rank ``(r * S + s) *
+  T + t``, so tensor-parallel peers are consecutive ranks of one node and their traffic never leaves it.
+
+Parameters, gradients and optimizer state are sharded along ``shard`` (and ``tensor``); only the gradient all-reduce
+of each shard travels along ``replicate``. Every rank of a tensor-parallel group computes on the same micro-batch:
+the data-parallel ranks are the ``R * S`` (replicate, shard) coordinates.
+
+:class:`Topology` holds the degrees and can be built without processes (unit tests, the planner);
+:meth:`Topology.build_mesh` makes the :class:`ParallelMesh`, the only object that knows the mesh's dim order: other
+modules ask it for the sub-mesh they need by purpose.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
 REPLICATE_DIM = "replicate"
 SHARD_DIM = "shard"
-MESH_DIM_NAMES = (REPLICATE_DIM, SHARD_DIM)
+TENSOR_DIM = "tensor"
 
 ShardSize = Literal["node", "world"] | int
 
@@ -34,19 +47,32 @@ def validate_shard_size(shard_size: ShardSize) -> ShardSize:
     return shard_size
 
 
+def validate_tensor_parallel_size(tensor_parallel_size: int) -> int:
+    """Check the form of ``tensor_parallel_size`` before any process exists."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(
+            f"HybridFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}) is not valid: pass a positive number"
+            " of ranks that split each layer, a divisor of the devices per node (1 turns tensor parallelism off)."
+        )
+    return tensor_parallel_size
+
+
 @dataclass(frozen=True)
 class Topology:
-    """Degrees of the hybrid mesh, validated against the cluster they run on.
+    """Degrees of the mesh, validated against the cluster they run on.
 
     Attributes:
         num_nodes: Nodes in the job.
         ranks_per_node: Processes (devices) per node.
-        shard_size: Ranks that shard one copy of the model together.
+        shard_size: Ranks that hold one copy of the model together (``tensor_parallel_size`` of them split each
+            layer by tensor parallelism, the rest by FSDP).
+        tensor_parallel_size: Ranks that split each layer (1: no tensor parallelism).
     """
 
     num_nodes: int
     ranks_per_node: int
     shard_size: int
+    tensor_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -54,21 +80,49 @@ class Topology:
 
     @property
     def replicate_size(self) -> int:
+        """Copies of the model (``R``)."""
         return self.world_size // self.shard_size
 
     @property
-    def mesh_shape(self) -> tuple[int, int]:
-        return (self.replicate_size, self.shard_size)
+    def fsdp_size(self) -> int:
+        """Ranks FSDP shards each tensor-parallel slice over (``S = shard_size / T``)."""
+        return self.shard_size // self.tensor_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that compute on different data (``R * S``); tensor-parallel peers share a micro-batch."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        if self.tensor_parallel_size == 1:
+            return (REPLICATE_DIM, SHARD_DIM)
+        return (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        if self.tensor_parallel_size == 1:
+            return (self.replicate_size, self.shard_size)
+        return (self.replicate_size, self.fsdp_size, self.tensor_parallel_size)
 
     @classmethod
-    def resolve(cls, shard_size: ShardSize, num_nodes: int, ranks_per_node: int, world_size: int) -> Topology:
-        """Turn ``shard_size`` ('node', 'world' or a number) into a validated topology.
+    def resolve(
+        cls,
+        shard_size: ShardSize,
+        num_nodes: int,
+        ranks_per_node: int,
+        world_size: int,
+        tensor_parallel_size: int = 1,
+    ) -> Topology:
+        """Turn ``shard_size`` ('node', 'world' or a number) and the tensor-parallel size into a validated topology.
 
         Raises:
-            ValueError: The sizes don't multiply out, or a shard group would straddle nodes unevenly. The message
-                shows the arithmetic and the values that would work.
+            ValueError: The sizes don't multiply out, a shard group would straddle nodes unevenly, or tensor
+                parallelism would cross a node or not fit the shard group. The message shows the arithmetic and the
+                values that would work.
         """
         shard_size = validate_shard_size(shard_size)
+        tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
         if num_nodes * ranks_per_node != world_size:
             raise ValueError(
                 f"num_nodes({num_nodes}) * ranks_per_node({ranks_per_node}) != WORLD_SIZE({world_size}). Pass"
@@ -98,17 +152,40 @@ class Topology:
                 f" cover a fraction of a node. Choose a multiple of {ranks_per_node} that divides WORLD_SIZE"
                 f"({world_size}): {[d for d in _divisors(world_size) if d % ranks_per_node == 0]}."
             )
-        return cls(num_nodes=num_nodes, ranks_per_node=ranks_per_node, shard_size=size)
+        if ranks_per_node % tensor_parallel_size != 0:
+            raise ValueError(
+                f"tensor_parallel_size({tensor_parallel_size}) does not divide ranks_per_node({ranks_per_node}): tensor"
+                " parallelism exchanges activations in every layer and must stay inside a node. Choose a divisor of"
+                f" ranks_per_node: {_divisors(ranks_per_node)}."
+            )
+        if size % tensor_parallel_size != 0:
+            raise ValueError(
+                f"tensor_parallel_size({tensor_parallel_size}) does not divide shard_size({size}): the ranks that hold"
+                f" one copy of the model are split into FSDP x tensor-parallel groups. Choose a divisor of {size}:"
+                f" {_divisors(size)}, or a larger shard_size."
+            )
+        return cls(num_nodes, ranks_per_node, size, tensor_parallel_size)
 
-    def coordinates(self, global_rank: int) -> tuple[int, int]:
-        """This rank's ``(replicate_index, shard_index)`` in the mesh."""
-        return divmod(global_rank, self.shard_size)
+    def coordinates(self, global_rank: int) -> tuple[int, ...]:
+        """This rank's coordinates in the mesh: ``(replicate, shard)``, or ``(replicate, shard, tensor)`` with TP."""
+        replica, position = divmod(global_rank, self.shard_size)
+        if self.tensor_parallel_size == 1:
+            return (replica, position)
+        return (replica, *divmod(position, self.tensor_parallel_size))
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named 2-D mesh ``(replicate, shard)`` over all ranks (needs the default process group)."""
+    def position_in_copy(self, global_rank: int) -> int:
+        """Which part of one model copy this rank holds (``shard * T + tensor``), in ``0 .. shard_size - 1``."""
+        return global_rank % self.shard_size
+
+    def data_parallel_rank(self, global_rank: int) -> int:
+        """This rank's index among the ``data_parallel_size`` ranks that compute on different data."""
+        return global_rank // self.tensor_parallel_size
+
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """The named mesh over all ranks (needs the default process group)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+        return ParallelMesh(self, init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names))
 
     def describe(self) -> str:
         """One paragraph for the log: nodes, ranks per node, mesh shape and what each dim means."""
@@ -118,14 +195,80 @@ class Topology:
             kind = "pure replication (DDP-like; nothing is sharded)"
         else:
             kind = "HSDP"
+        if self.tensor_parallel_size > 1:
+            kind += f" + tensor parallel ({self.tensor_parallel_size})"
         nodes_per_group = max(1, self.shard_size // self.ranks_per_node)
         span = f"{nodes_per_group} node(s)" if self.shard_size >= self.ranks_per_node else "part of one node"
-        return (
+        text = (
             f"{kind}: {self.num_nodes} node(s) x {self.ranks_per_node} rank(s) per node = {self.world_size} ranks;"
-            f" mesh {self.mesh_shape} with dims {MESH_DIM_NAMES}: '{SHARD_DIM}'={self.shard_size} ranks hold one"
-            f" sharded copy of the model ({span}), '{REPLICATE_DIM}'={self.replicate_size} copies exchange only"
-            " gradient all-reduces of their shards."
+            f" mesh {self.mesh_shape} with dims {self.mesh_dim_names}: "
         )
+        if self.tensor_parallel_size == 1:
+            text += f"'{SHARD_DIM}'={self.shard_size} ranks hold one sharded copy of the model ({span})"
+        else:
+            text += (
+                f"{self.shard_size} ranks hold one copy of the model ({span}), each layer split"
+                f" '{TENSOR_DIM}'={self.tensor_parallel_size} ways by tensor parallelism inside a node and"
+                f" '{SHARD_DIM}'={self.fsdp_size} ways by FSDP"
+            )
+        return (
+            text + f", '{REPLICATE_DIM}'={self.replicate_size} copies exchange only gradient all-reduces of their"
+            f" shards; {self.data_parallel_size} data-parallel ranks."
+        )
+
+
+class ParallelMesh:
+    """The job's ``DeviceMesh`` and its sub-meshes by purpose. Consumers ask for what they need, never by position.
+
+    Attributes:
+        topology: The degrees the mesh was built from.
+        device_mesh: The whole named mesh (2-D, or 3-D with tensor parallelism).
+    """
+
+    def __init__(self, topology: Topology, device_mesh: DeviceMesh) -> None:
+        self.topology = topology
+        self.device_mesh = device_mesh
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """The 2-D ``(replicate, shard)`` mesh ``fully_shard`` shards over (HSDP)."""
+        if self.topology.tensor_parallel_size == 1:
+            return self.device_mesh
+        return self.device_mesh[REPLICATE_DIM, SHARD_DIM]
+
+    @property
+    def tensor(self) -> DeviceMesh | None:
+        """The 1-D mesh of this rank's tensor-parallel group; ``None`` without tensor parallelism."""
+        if self.topology.tensor_parallel_size == 1:
+            return None
+        return self.device_mesh[TENSOR_DIM]
+
+    @property
+    def replicate(self) -> DeviceMesh:
+        """The 1-D mesh of the ranks that hold the same part of the model in other copies."""
+        return self.device_mesh[REPLICATE_DIM]
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return self.topology.mesh_dim_names
+
+    def group(self, dim_name: str) -> dist.ProcessGroup:
+        """The process group of this rank along one named dim."""
+        return self.device_mesh.get_group(dim_name)
+
+    def replicated_dims(self, tensor: Any) -> list[str]:
+        """The dims along which ``tensor`` holds the same values on every rank.
+
+        A plain tensor is replicated everywhere. A DTensor is replicated along the dims of the job's mesh that its
+        own mesh lacks (FSDP-only parameters under tensor parallelism live on the 2-D sub-mesh) and along those where
+        its placement is ``Replicate()``.
+        """
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not isinstance(tensor, DTensor):
+            return list(self.dim_names)
+        own = dict(zip(tensor.device_mesh.mesh_dim_names or (), tensor.placements))
+        return [name for name in self.dim_names if name not in own or isinstance(own[name], Replicate)]
 
 
 def _divisors(number: int) -> list[int]:

@@ -1,5 +1,6 @@
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -29,8 +30,9 @@ def run(capsys, *args):
     return code, out, err
 
 
-def test_convert_and_inspect(tmp_path, checkpoint, capsys):
-    code, out, err = run(capsys, "convert", checkpoint, tmp_path / "out", "--dtype", "bf16")
+@pytest.mark.parametrize("dtype", ["bf16", "bfloat16", "torch.bfloat16"])
+def test_convert_and_inspect(tmp_path, checkpoint, capsys, dtype):
+    code, out, err = run(capsys, "convert", checkpoint, tmp_path / "out", "--dtype", dtype)
     assert code == 0
     assert out == ""
     assert err.startswith("fabric-hsdp: converted 2 tensors (30 B) with optimizer/extras from fabric to dcp in ")
@@ -59,7 +61,8 @@ def test_config_file(tmp_path, checkpoint, capsys):
 
 
 def _write_random(path):
-    path.write_bytes(os.urandom(4096))
+    # fixed bytes, and none of the formats' magic numbers at the start (0x80 would be a legacy torch pickle)
+    path.write_bytes(b"\x17" + random.Random(0).randbytes(4095))
 
 
 def _write_truncated_zip(path):
@@ -112,11 +115,17 @@ def test_existing_dest_is_never_touched_without_overwrite(tmp_path, checkpoint, 
     assert sorted(tree(tmp_path / "out")) == [".metadata", "__0_0.distcp", "meta.pt"]
 
 
-def test_bad_arguments_exit_2(tmp_path, checkpoint, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["convert", str(checkpoint), str(tmp_path / "o"), "--to", "zip"])
-    assert exit_info.value.code == 2
-    assert "error: argument --to: invalid choice: 'zip'" in capsys.readouterr().err
+def test_bad_arguments_exit_2_with_one_line(tmp_path, checkpoint, capsys):
+    code, out, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--to", "zip")
+    assert (code, out) == (2, "")
+    assert err == (
+        "fabric-hsdp: error: argument --to: invalid choice: 'zip' (choose from 'dcp', 'torch', 'safetensors')"
+        " (see fabric-hsdp --help)\n"
+    )
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--max_shard_size", "0", "--to", "safetensors")
+    assert (code, err) == (2, "fabric-hsdp: error: size '0' must be positive, e.g. '5GB'\n")
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--dtype", "int8")
+    assert code == 2 and err.startswith("fabric-hsdp: error: dtype 'int8' is not one of bf16, bfloat16,")
     code, _, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--key_map", "nonsense")
     assert (code, err) == (
         2,
@@ -154,18 +163,22 @@ def test_disk_full_exits_1_and_leaves_nothing(tmp_path, tiny_disk, capsys, dest_
     assert tree(tiny_disk) == []
 
 
-def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path):
-    torch.save({f"w{i}": torch.ones(8 << 20) for i in range(8)}, tmp_path / "big.pth")  # 256 MiB
+@pytest.mark.parametrize("dest", ["out", "out.pth", "out.safetensors"])
+@pytest.mark.parametrize("slowed", ["reading", "writing"])
+def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path, dest, slowed):
+    torch.save({f"w{i}": torch.ones(2 << 20) for i in range(8)}, tmp_path / "big.pth")  # 64 MiB
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
-    # each tensor read takes 0.5 s longer, so the interrupt lands mid-conversion even when the machine is idle
-    slowed = (
-        "import sys, time; from fabric_hsdp import cli; from fabric_hsdp.checkpoint.sources import LazyTensor;"
-        " read = LazyTensor.materialize;"
-        " LazyTensor.materialize = lambda self, out=None: (time.sleep(0.5), read(self, out))[1];"
-        " sys.exit(cli.main(sys.argv[1:]))"
-    )
+    # each tensor read (or each 16 MiB written) takes 0.5 s longer, so the interrupt lands there even when the
+    # machine is idle: inside torch's zip writer for "writing" to a DCP directory or a torch file
+    patch = {
+        "reading": "from fabric_hsdp.checkpoint.source import LazyTensor as C; slow = C.read;"
+        " C.read = lambda self, out=None: (time.sleep(0.5), slow(self, out))[1];",
+        "writing": "from fabric_hsdp.checkpoint.fileio import DirectFileWriter as C; slow = C._write_all;"
+        " C._write_all = lambda self, view: (time.sleep(0.5), slow(self, view))[1];",
+    }[slowed]
+    slowed = f"import sys, time; from fabric_hsdp import cli; {patch} sys.exit(cli.main(sys.argv[1:]))"
     process = subprocess.Popen(
-        [sys.executable, "-c", slowed, "convert", str(tmp_path / "big.pth"), str(tmp_path / "out")],
+        [sys.executable, "-c", slowed, "convert", str(tmp_path / "big.pth"), str(tmp_path / dest)],
         stderr=subprocess.PIPE,
         text=True,
         env=env,
@@ -173,7 +186,7 @@ def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
+    while not list(tmp_path.glob(f".{dest}.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
     assert process.poll() is None, f"the conversion ended before it could be interrupted: {process.stderr.read()}"
     process.send_signal(signal.SIGINT)
@@ -181,3 +194,32 @@ def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path):
     assert process.returncode == 130
     assert err.splitlines()[-1] == "fabric-hsdp: interrupted; nothing was written"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["big.pth"]
+
+
+def test_a_reader_that_stops_early_is_not_an_error(checkpoint):
+    """`fabric-hsdp inspect x | head`: the pipe closes before the output is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    result = subprocess.run(
+        [sys.executable, "-m", "fabric_hsdp", "inspect", str(checkpoint)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    os.close(write_end)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_the_command_imports_neither_lightning_nor_the_strategy():
+    code = (
+        "import json, sys, fabric_hsdp.cli, fabric_hsdp.checkpoint, fabric_hsdp.checkpoint.convert;"
+        " print(json.dumps(sorted(sys.modules)))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    modules = json.loads(output.stdout)
+    assert [name for name in modules if name == "lightning" or name.startswith("lightning.")] == []
+    assert "fabric_hsdp.strategy" not in modules and "fabric_hsdp.checkpoint.convert" in modules

@@ -1,19 +1,24 @@
-"""The examples users copy: examples/train.py and the main job (examples/main_job.py), run as users run them."""
+"""The examples users copy: train.py, finetune.py and the main job (examples/main_job.py), run as users run them."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from tests.helpers.launch import REPO_ROOT, free_port
+from tests.helpers.launch import REPO_ROOT, free_port, launch
 
 sys.path.insert(0, str(REPO_ROOT))
-from examples.train import devices_and_nodes, latest_checkpoint  # noqa: E402
+from examples.finetune import detect_format, export_model, load_tokenizer, read_documents  # noqa: E402
+from examples.launching import devices_and_nodes, latest_checkpoint  # noqa: E402
 
 TRAIN = REPO_ROOT / "examples" / "train.py"
 
@@ -27,7 +32,7 @@ def test_latest_checkpoint_takes_the_highest_step_and_ignores_other_names(tmp_pa
 
 
 def test_devices_and_nodes_follow_the_launcher(monkeypatch):
-    """torchrun, srun and mpirun as they set their variables (fabric_hsdp.launchers decides which one it was)."""
+    """torchrun, srun and mpirun (inside the allocation) as they set their variables (fabric_hsdp.launchers decides)."""
     launcher_variables = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
     for name in list(os.environ):
         if name == "LT_CLI_USED" or name.startswith("SLURM_") or name in launcher_variables:
@@ -87,13 +92,126 @@ def test_train_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
     assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-000004", "step-000008"]
 
 
-@pytest.mark.slow
-def test_main_job_trains_on_two_nodes_converts_and_loads_back(tmp_path):
-    """The README's `make main`: two `fabric run` launches, sharded save, convert, inspect, raw load; exit 0."""
+def test_finetune_tells_a_directory_that_is_no_checkpoint_and_falls_back_to_labelled_bytes(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(FileNotFoundError, match=r"neither a litgpt checkpoint .* it holds \['notes.txt'\]"):
+        detect_format(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert detect_format(tmp_path) == "transformers"
+    (tmp_path / "lit_model.pth").write_bytes(b"")
+    (tmp_path / "model_config.yaml").write_text("")
+    assert detect_format(tmp_path) == "litgpt"  # a litgpt download also holds config.json
+    tokenizer = load_tokenizer("litgpt", tmp_path, model_vocab_size=300)  # no tokenizer files
+    assert tokenizer.kind == "bytes" and "FALLBACK" in tokenizer.describe()
+    assert tokenizer.encode("hé") == [104, 195, 169] and tokenizer.decode([104, 195, 169]) == "hé"
+
+
+def test_finetune_reads_jsonl_records_and_names_a_bad_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one"}\n\n{"text": "two", "id": 2}\n')
+    assert read_documents(data) == ["one", "two"]
+    data.write_text('{"text": "one"}\n{"body": "two"}\n')
+    with pytest.raises(ValueError, match=r"line 2 has no string field 'text' \(it has \['body'\]\)"):
+        read_documents(data)
+    with pytest.raises(ValueError, match=r"line 1 has no string field 'body' \(it has \['text'\]\)"):
+        read_documents(data, text_key="body")
+
+
+def test_export_keeps_the_source_layout_dtypes_and_side_files(tmp_path):
+    """Trained fp32 tensors go back to the source's bf16; a tied second name is left out unless the source has it."""
+    from fabric_hsdp.checkpoint import write_dcp
+
+    trained = {"embed.weight": torch.randn(8, 4), "norm.weight": torch.ones(4), "head.weight": torch.randn(8, 4)}
+    trained["head.weight"] = trained["embed.weight"]  # tied
+    write_dcp(tmp_path / "step-000002", trained)
+    source = tmp_path / "source"
+    source.mkdir()
+    save_file(
+        {"embed.weight": torch.zeros(8, 4, dtype=torch.bfloat16), "norm.weight": torch.ones(4)},
+        source / "model.safetensors",
+    )
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_text("{}")
+    written = export_model(tmp_path / "step-000002", "transformers", source, tmp_path / "hf", "5GB", {"head.weight"})
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(exported) == ["embed.weight", "norm.weight"], written
+    assert exported["embed.weight"].dtype == torch.bfloat16 and exported["norm.weight"].dtype == torch.float32
+    assert torch.equal(exported["embed.weight"], trained["embed.weight"].bfloat16())
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+
+    torch.save({"embed.weight": torch.zeros(8, 4), "head.weight": torch.zeros(8, 4)}, source / "lit_model.pth")
+    (source / "model_config.yaml").write_text("name: tiny\n")
+    export_model(tmp_path / "step-000002", "litgpt", source, tmp_path / "lit", "5GB", {"head.weight"})
+    state = torch.load(tmp_path / "lit" / "lit_model.pth", weights_only=True)
+    assert sorted(state) == ["embed.weight", "head.weight", "norm.weight"]  # the source stores both names
+    assert torch.equal(state["head.weight"], trained["embed.weight"])
+    assert (tmp_path / "lit" / "model_config.yaml").read_text() == "name: tiny\n"
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> Path:
+    """The README's `make main` with 4 steps per format; its work directory."""
+    work_dir = tmp_path_factory.mktemp("main_job")
     output = _run(
-        [sys.executable, str(REPO_ROOT / "examples" / "main_job.py"), "--work_dir", str(tmp_path), "--max_steps", "6"],
+        [sys.executable, str(REPO_ROOT / "examples" / "main_job.py"), "--work_dir", str(work_dir), "--max_steps", "4"],
         timeout=600,
     )
-    assert "main job: all 4 steps passed" in output
-    assert (tmp_path / "model.pth").is_file()
-    assert "[4/4] ok" in output and "= the first run's final" in output
+    (work_dir / "output.txt").write_text(output)
+    return work_dir
+
+
+@pytest.mark.slow
+def test_main_job_fine_tunes_both_formats_on_two_nodes_and_the_exports_reproduce_the_model(main_job):
+    """A tiny Llama made in both formats, each fine-tuned by two `fabric run` launches (2 nodes x 2 ranks),
+    exported, reloaded by litgpt / transformers.
+
+    The reloaded export's logits must equal the fine-tuned (sharded) model's exactly: the same float32 weights and
+    the same kernels on the same input. The validation losses may differ by summation order only (< 1e-5).
+    """
+    output, tmp_path = (main_job / "output.txt").read_text(), main_job
+    assert "main job: all 5 steps passed" in output
+    assert "layers found for sharding (the layers of its nn.ModuleLists): 2 x Block" in output
+    assert "layers found for sharding (the layers of its nn.ModuleLists): 2 x LlamaDecoderLayer" in output
+    assert "load_mode=slice" in output and "tokenizer: litgpt.Tokenizer" in output
+    exports = {
+        "litgpt": {"lit_model.pth", "model_config.yaml", "tokenizer.json", "tokenizer_config.json", "config.json"},
+        "transformers": {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"},
+    }
+    checks = {}
+    for fmt, files in exports.items():
+        assert files <= {path.name for path in (tmp_path / fmt / "export").iterdir()}
+        checkpoints = sorted(path.name for path in (tmp_path / fmt / "checkpoints").iterdir())
+        assert checkpoints == ["step-000002", "step-000004"]  # every max_steps / 2, and the last
+        checks[fmt] = check = json.loads((tmp_path / fmt / "export_check.json").read_text())
+        assert check["format"] == fmt
+        assert check["max_logit_diff"] == 0.0, check
+        assert check["loss_diff"] < 1e-5, check
+        assert check["val_loss"] < check["val_loss_before"], check
+        assert check["generated"], check
+    # one model in two formats, the same tokens: litgpt and transformers fine-tune it alike
+    assert abs(checks["litgpt"]["val_loss"] - checks["transformers"]["val_loss"]) < 1e-4, checks
+
+
+@pytest.mark.slow
+def test_finetune_resumes_from_its_sharded_checkpoint_exactly(main_job, tmp_path):
+    """The main job's litgpt run without its last checkpoint, started again on 2 x 2 ranks: it resumes at step 2 and
+    ends where the uninterrupted run ended, and exports again."""
+    out_dir = tmp_path / "litgpt"
+    shutil.copytree(main_job / "litgpt", out_dir)
+    shutil.rmtree(out_dir / "checkpoints" / "step-000004")
+    shutil.rmtree(out_dir / "export")
+    straight = json.loads((out_dir / "export_check.json").read_text())["fine_tuned_val_loss"]
+    args = {"checkpoint_dir": str(main_job / "models" / "tiny-llama-litgpt"), "out_dir": str(out_dir)}
+    launched = launch("tests.scenarios.finetune:finetune", {"args": {**args, "max_steps": 4, "save_every": 2}})
+    output = launched.check().ranks[0].stdout
+    assert f"resumed from {out_dir / 'checkpoints' / 'step-000002'} (step 2)" in output
+    assert "step 0: val loss" not in output and "step 3/4: train loss" in output
+    resumed = torch.load(out_dir / "export_check.pt", weights_only=True)["validation"]["val_loss"]
+    assert resumed == straight
+    assert (out_dir / "export" / "lit_model.pth").is_file()

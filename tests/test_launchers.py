@@ -152,7 +152,9 @@ def test_mpirun_needs_mpi4py_and_says_how_to_get_it(monkeypatch):
     import lightning.fabric.plugins.environments.mpi as lightning_mpi
 
     monkeypatch.setattr(lightning_mpi, "_MPI4PY_AVAILABLE", False)
-    with pytest.raises(ModuleNotFoundError, match=r"started by mpirun \(Open MPI\).*`pip install mpi4py`"):
+    with pytest.raises(
+        ModuleNotFoundError, match=r"^this process was started by mpirun \(Open MPI\).*`pip install mpi4py`"
+    ):
         environment_for(detect_launcher(MPI_RANK_ON_SECOND_NODE))
     for environ in (SRUN_TASK, TORCHRUN_WORKER, {}):
         assert environment_for(detect_launcher(environ)) is None
@@ -239,12 +241,14 @@ def test_check_launch_stops_every_rank_on_a_mismatch_before_any_process_group():
         )
     with pytest.raises(ValueError, match=r"started processes on 2 node\(s\), but Fabric\(num_nodes=1\) expects 1"):
         check_launch(srun, _SlurmWorld(4), num_nodes=1, ranks_per_node=2, local_rank=0)
-    # launchers that give no layout: the world size, then this rank's local rank
-    plain = Launcher(NO_LAUNCHER)
+    # a launcher that gives no layout: the world size its environment reads, then this rank's local rank
+    srun_without_layout = Launcher(SRUN, ("SLURM_STEP_ID=0",))
     with pytest.raises(ValueError, match=r"num_nodes\(2\) \* devices\(2\) != WORLD_SIZE\(8\) reported by _SlurmWorld"):
-        check_launch(plain, _SlurmWorld(8), num_nodes=2, ranks_per_node=2, local_rank=0)
-    with pytest.raises(ValueError, match=r"LOCAL_RANK=2, but Fabric\(devices=2\) knows only 2 device"):
-        check_launch(plain, _lightning_world(4), num_nodes=2, ranks_per_node=2, local_rank=2)
+        check_launch(srun_without_layout, _SlurmWorld(8), num_nodes=2, ranks_per_node=2, local_rank=0)
+    with pytest.raises(
+        ValueError, match=r"^this process has LOCAL_RANK=2, but Fabric\(devices=2\) knows only 2 device"
+    ):
+        check_launch(Launcher(NO_LAUNCHER), _lightning_world(1), num_nodes=2, ranks_per_node=2, local_rank=2)
 
 
 def test_the_launcher_layout_counts_only_when_the_environment_reads_that_launcher():

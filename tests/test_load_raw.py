@@ -87,7 +87,7 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
     values = _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases}))
     for rank, (broken, prefixed, unreadable) in enumerate(values):
         message = broken["error"]
-        assert message.startswith("ValueError: checkpoint '")
+        assert message.startswith("CheckpointError: checkpoint '")
         assert "has no tensor for 'layers.1.feed_forward.w1.weight' (model expects [96, 64] float32)" in message
         assert "'layers.9.extra.weight' ([3] float32)" in message
         assert "'norm.weight' is [65] float32 but the model expects [64] float32" in message

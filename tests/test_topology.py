@@ -61,3 +61,46 @@ def test_describe_names_dims():
     text = Topology.resolve("node", 2, 2, 4).describe()
     assert "HSDP: 2 node(s) x 2 rank(s) per node = 4 ranks; mesh (2, 2)" in text
     assert "'shard'=2" in text and "'replicate'=2" in text
+
+
+@pytest.mark.parametrize(
+    ("shard_size", "nodes", "per_node", "tp", "shape", "data_parallel"),
+    [
+        ("node", 1, 4, 2, (1, 2, 2), 2),
+        ("node", 2, 2, 2, (2, 1, 2), 2),
+        ("node", 4, 8, 2, (4, 4, 2), 16),
+        (16, 4, 8, 8, (2, 2, 8), 4),
+        ("world", 2, 8, 4, (1, 4, 4), 4),
+        ("node", 2, 2, 1, (2, 2), 4),
+    ],
+)
+def test_tensor_parallel_mesh_shape(shard_size, nodes, per_node, tp, shape, data_parallel):
+    topology = Topology.resolve(shard_size, nodes, per_node, nodes * per_node, tp)
+    assert topology.mesh_shape == shape
+    assert topology.mesh_dim_names == (("replicate", "shard", "tensor") if tp > 1 else ("replicate", "shard"))
+    assert topology.data_parallel_size == data_parallel
+
+
+def test_tensor_parallel_peers_are_consecutive_ranks_of_one_node():
+    topology = Topology.resolve("node", 2, 4, 8, tensor_parallel_size=2)  # mesh (2, 2, 2)
+    assert [topology.coordinates(rank) for rank in range(8)] == [
+        (r, s, t) for r in range(2) for s in range(2) for t in range(2)
+    ]
+    for rank in range(8):  # rank = (r * S + s) * T + t
+        r, s, t = topology.coordinates(rank)
+        assert rank == (r * 2 + s) * 2 + t
+        assert topology.data_parallel_rank(rank) == r * 2 + s
+        assert topology.position_in_copy(rank) == s * 2 + t
+    assert "HSDP + tensor parallel (2)" in topology.describe()
+    assert "each layer split 'tensor'=2 ways by tensor parallelism inside a node and 'shard'=2 ways" in (
+        topology.describe()
+    )
+
+
+def test_tensor_parallel_must_stay_inside_a_node_and_divide_the_shard_group():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size\(3\) does not divide ranks_per_node\(2\).*\[1, 2\]"):
+        Topology.resolve("node", 2, 2, 4, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size\(4\) does not divide shard_size\(2\).*\[1, 2\]"):
+        Topology.resolve(2, 2, 4, 8, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=0\) is not valid"):
+        Topology.resolve("node", 2, 4, 8, tensor_parallel_size=0)

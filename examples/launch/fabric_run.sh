@@ -1,5 +1,7 @@
 #!/bin/bash
 # Lightning's `fabric run` on two (or more) nodes: run this on every node with its own NODE_RANK.
+# SCRIPT=examples/finetune.py runs the fine-tune job instead of examples/train.py (pass --checkpoint_dir DIR as an
+# argument); both take the same launch options.
 #
 #   NODE_RANK=0 MAIN_ADDRESS=10.0.0.1 bash examples/launch/fabric_run.sh      # on node 0 (10.0.0.1)
 #   NODE_RANK=1 MAIN_ADDRESS=10.0.0.1 bash examples/launch/fabric_run.sh      # on node 1
@@ -12,7 +14,7 @@
 # --master_port MAIN_PORT), so Lightning picks TorchElasticEnvironment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK,
 # MASTER_ADDR, MASTER_PORT). In your script:
 # * Fabric() already sets up the processes; do not call fabric.launch() (it raises "processes have already been
-#   created"). Check `os.environ.get("LT_CLI_USED") == "1"` as examples/train.py does.
+#   created"). Check `os.environ.get("LT_CLI_USED") == "1"` as examples/launching.py does.
 # * Leave accelerator/devices/num_nodes/precision at their defaults in Fabric(...), or pass the same values as on
 #   the command line: a different value raises a conflict error. Don't pass --strategy to `fabric run` when the
 #   script passes HybridFSDPStrategy(...). For a script with a bare L.Fabric(), `fabric-hsdp run --strategy hsdp
@@ -30,4 +32,4 @@ ACCELERATOR=${ACCELERATOR:-cuda}
 
 fabric run --accelerator "$ACCELERATOR" --devices "$GPUS_PER_NODE" --num-nodes "$NUM_NODES" \
     --node-rank "$NODE_RANK" --main-address "$MAIN_ADDRESS" --main-port "$MAIN_PORT" \
-    examples/train.py --out_dir out/fabric-hsdp "$@"
+    "${SCRIPT:-examples/train.py}" --out_dir out/fabric-hsdp "$@"

@@ -1,5 +1,7 @@
 #!/bin/bash
 # Open MPI's mpirun: N hosts x G GPUs, one MPI process per GPU.
+# SCRIPT=examples/finetune.py runs the fine-tune job instead of examples/train.py (pass --checkpoint_dir DIR as an
+# argument); both take the same launch options.
 #
 #   HOSTS=node1:8,node2:8 NODES=2 GPUS_PER_NODE=8 bash examples/launch/mpirun.sh      # hosts named by hand
 #   sbatch --nodes=2 --ntasks-per-node=8 --gres=gpu:8 examples/launch/mpirun.sh        # in a SLURM allocation
@@ -33,7 +35,8 @@
 # MPICH/Intel MPI (hydra): mpiexec -n $((NODES * GPUS_PER_NODE)) -ppn $GPUS_PER_NODE -hosts node1,node2 -genvall ...
 #
 # Settings from the environment (defaults for GPUs): ACCELERATOR (cuda), PRECISION (bf16-mixed), OUT_DIR
-# (out/mpi-hsdp), VENV (activated if set). tests/cluster/ runs this file under sbatch and salloc on CPU.
+# (out/mpi-hsdp), VENV (activated if set), SCRIPT (examples/train.py). tests/cluster/ runs this file under sbatch
+# and salloc on CPU.
 set -euo pipefail
 NODES=${NODES:-${SLURM_NNODES:-2}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-8}}
@@ -50,5 +53,5 @@ fi
 
 mpirun -np $((NODES * GPUS_PER_NODE)) "${HOST_ARGS[@]}" --map-by slot --bind-to none \
     -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH \
-    python examples/train.py --accelerator "${ACCELERATOR:-cuda}" --devices "$GPUS_PER_NODE" --num_nodes "$NODES" \
-    --precision "${PRECISION:-bf16-mixed}" --out_dir "${OUT_DIR:-out/mpi-hsdp}" "$@"
+    python "${SCRIPT:-examples/train.py}" --accelerator "${ACCELERATOR:-cuda}" --devices "$GPUS_PER_NODE" \
+    --num_nodes "$NODES" --precision "${PRECISION:-bf16-mixed}" --out_dir "${OUT_DIR:-out/mpi-hsdp}" "$@"

@@ -28,22 +28,60 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint import commit
+from fabric_hsdp.checkpoint.dcp_io import save_error
+from fabric_hsdp.checkpoint.progress import log_throughput
+from fabric_hsdp.errors import SaveError
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
 
 
-def save_error(error: BaseException, path: Path) -> RuntimeError:
-    """The error for a failed DCP save, naming each failed rank and its exception (DCP wraps them per rank)."""
-    from fabric_hsdp.checkpoint._dcp import rank_failures
+class BackgroundSaves:
+    """A strategy's background saves: their gloo group, the one save in flight, and waiting for it.
 
-    causes = rank_failures(error)
-    details = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(causes.items()))
-    if not details:
-        details = f"{type(error).__name__}: {error}"
-    return RuntimeError(
-        f"saving checkpoint '{path}' failed ({details}). Nothing was written at '{path}'; the previous checkpoint"
-        " there, if any, is intact."
-    )
+    Call :meth:`set_up` once the default process group exists; with ``enabled=False`` every method is a no-op and
+    ``group`` is ``None`` (saves block).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.group: Any = None  # gloo group for DCP's collectives while saving in the background
+        self._pending: BackgroundSave | None = None
+
+    def set_up(self, timeout: Any) -> None:
+        if self.enabled:
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def started(self, save: BackgroundSave | None) -> None:
+        """Track ``save`` (what ``save_sharded`` returned) as the save in flight."""
+        self._pending = save
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its failure on every rank (a collective)."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception:
+            self._pending = None  # its failure is reported; an interrupt keeps it for the end of the process
+            raise
+        self._pending = None
+
+    def finish_at_exit(self) -> bool:
+        """At interpreter exit: let the save in flight finish, without collectives; ``True`` if it failed."""
+        pending, self._pending = self._pending, None
+        self.group = None
+        if pending is None:
+            return False
+        try:
+            pending.wait(together=False)  # the other ranks may be gone: no collective here
+        except SaveError as error:
+            _logger.error("%s", error)
+            return True
+        return False
+
+    def close(self) -> None:
+        self.group = None
 
 
 class BackgroundSave:
@@ -84,14 +122,6 @@ class BackgroundSave:
             return
         with fail_together(f"saving checkpoint '{self.path}' in the background"):
             self.wait(together=False)
-
-
-def log_throughput(verb: str, path: Path, seconds: float) -> None:
-    """Rank 0's line for a finished save or load: size on disk, seconds, MB/s."""
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    _logger.info(
-        "fabric_hsdp: %s '%s': %.1f MB in %.2f s (%.0f MB/s)", verb, path, size / 1e6, seconds, size / 1e6 / seconds
-    )
 
 
 def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started: float) -> BackgroundSave:

@@ -1,10 +1,13 @@
-"""Make a checkpoint visible at its path all at once, and tell a complete DCP directory from a broken one.
+"""Make a checkpoint visible at its path all at once: the atomic swap of a sharded save, and atomic file outputs.
 
 Every rank writes into a hidden staging sibling (``.NAME.saving-<id>``). Only after all ranks have finished does rank
 0 swap it into place with one atomic ``renameat2(RENAME_EXCHANGE)`` (or a plain ``rename`` when nothing is there
 yet), then deletes the previous checkpoint that the swap moved into the staging name. A process killed at any moment
 therefore leaves at ``path`` either the previous checkpoint or the new one. Filesystems without ``RENAME_EXCHANGE``
 fall back to two renames, with the previous checkpoint parked as ``.NAME.previous-<id>`` in between.
+
+:func:`atomic_output` gives single-process writers (conversion, full exports) the same guarantee for a file or a
+directory: they write into a hidden sibling, which is fsync'ed and renamed into place only on success.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -39,6 +43,11 @@ def leftovers(path: Path) -> list[Path]:
     return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefixes))
 
 
+def parked_copies(path: Path) -> list[Path]:
+    """Previous checkpoints of ``path`` parked by a fallback swap that was interrupted (oldest first)."""
+    return [p for p in leftovers(path) if _PREVIOUS in p.name]
+
+
 def remove_leftovers(path: Path) -> None:
     """Clean up after killed saves of ``path`` (called by rank 0 before a new save).
 
@@ -47,16 +56,16 @@ def remove_leftovers(path: Path) -> None:
     """
     for stale in leftovers(path):
         if _PREVIOUS in stale.name and not os.path.lexists(path):
-            _logger.info("fabric_hsdp: restoring %s to %s, parked by an interrupted save", stale, path)
+            _logger.info("restoring %s to %s, parked by an interrupted save", stale, path)
             os.rename(stale, path)
             continue
-        _logger.info("fabric_hsdp: removing %s, left by an interrupted save", stale)
-        _remove(stale)
+        _logger.info("removing %s, left by an interrupted save", stale)
+        remove_path(stale)
 
 
 def discard(staged: Path) -> None:
     """Delete the staging directory of a save that failed (and nothing else: a parked checkpoint stays)."""
-    _remove(staged)
+    remove_path(staged)
 
 
 def commit(staged: Path, path: Path) -> None:
@@ -66,11 +75,11 @@ def commit(staged: Path, path: Path) -> None:
     directory entries so the rename cannot be persisted before them.
     """
     if staged.is_dir():
-        _fsync(staged)
+        fsync_path(staged)
     if not os.path.lexists(path):
         os.rename(staged, path)
     elif _exchange(staged, path):
-        _remove(staged)  # now holds the previous checkpoint
+        remove_path(staged)  # now holds the previous checkpoint
     else:
         parked = path.parent / f".{path.name}{_PREVIOUS}{uuid.uuid4().hex[:12]}"
         os.rename(path, parked)
@@ -79,8 +88,8 @@ def commit(staged: Path, path: Path) -> None:
         except BaseException:
             os.rename(parked, path)  # the previous checkpoint back where it was
             raise
-        _remove(parked)
-    _fsync(path.parent)
+        remove_path(parked)
+    fsync_path(path.parent)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -97,59 +106,76 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, f"could not swap '{first}' into '{second}': {os.strerror(code)}")
 
 
-def check_complete_dcp(path: Path, *, weights_only: bool = True) -> Any:
-    """Raise ``FileNotFoundError``/``ValueError`` naming what is missing if ``path`` is not a whole DCP checkpoint.
-
-    Returns:
-        Its DCP ``Metadata`` (read to check the shards against it).
-    """
-    from fabric_hsdp.checkpoint._dcp import read_metadata
-
-    if not path.exists():
-        hint = ""
-        parked = [p for p in leftovers(path) if _PREVIOUS in p.name]
-        if parked:
-            hint = f" A save was interrupted while swapping; the previous checkpoint is intact at '{parked[-1]}'."
-        raise FileNotFoundError(f"checkpoint '{path}' does not exist.{hint}")
-    metadata_file = path / ".metadata"
-    if not metadata_file.is_file():
-        shards = sorted(p.name for p in path.glob("*.distcp"))
-        raise ValueError(
-            f"checkpoint '{path}' is incomplete: it has no DCP '.metadata' file"
-            + (f" (but {len(shards)} shard file(s), e.g. '{shards[0]}')" if shards else "")
-            + ". It was not written by a finished save; load the previous checkpoint instead."
-        )
-    metadata = read_metadata(path, weights_only=weights_only)
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"'{name}' is missing")
-        elif file.stat().st_size < size:
-            problems.append(f"'{name}' is truncated ({file.stat().st_size} of {size} bytes)")
-    if problems:
-        more = f"; {len(problems) - 5} more" if len(problems) > 5 else ""
-        raise ValueError(
-            f"checkpoint '{path}' is incomplete: {', '.join(problems[:5])}{more}. Its shards do not match its"
-            " '.metadata'; load the previous checkpoint instead."
-        )
-    return metadata
-
-
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Delete a file or a directory tree, if it exists."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         path.unlink()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """fsync a file or a directory (its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and directory under a directory (so the names are durable too)."""
+    if not path.is_dir():
+        fsync_path(path)
+        return
+    for root, _, names in os.walk(path):
+        for name in names:
+            fsync_path(Path(root) / name)
+        fsync_path(Path(root))
+
+
+@contextmanager
+def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary path to write ``dest`` at (a file or a directory); it becomes ``dest`` only on success.
+
+    The temporary path is ``<dest's parent>/.<name>.tmp-<random>/<name>``, so it is on the same filesystem and
+    keeps ``dest``'s name (torch records the file name inside its archives). On any exception, ``KeyboardInterrupt``
+    included, everything written is removed and ``dest`` is left as it was. The result is fsync'ed before the
+    rename, so a crash cannot leave a half-written file under the final name.
+
+    Raises:
+        FileExistsError: ``dest`` exists and ``overwrite`` is false.
+        FileNotFoundError: ``dest``'s parent directory does not exist.
+        PermissionError: ``dest``'s parent directory is not writable (the message names ``dest``, not the hidden
+            staging path).
+    """
+    dest = Path(dest)
+    if (dest.exists() or dest.is_symlink()) and not overwrite:
+        raise FileExistsError(f"'{dest}' already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    parent = dest.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"cannot write '{dest}': directory '{parent}' does not exist")
+    staging = parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        staging.mkdir()
+    except PermissionError as error:
+        raise PermissionError(
+            error.errno,
+            f"cannot write '{dest}': directory '{parent}' is not writable ({error.strerror}); choose another"
+            " destination or change the directory's permissions",
+        ) from None
+    try:
+        try:
+            yield staging / dest.name
+        except OSError as error:
+            staged = error.filename is not None and str(error.filename).startswith(str(staging))
+            if (error.filename is None or staged) and error.errno is not None:  # e.g. a full disk: name the output
+                raise type(error)(error.errno, error.strerror, str(dest)) from error
+            raise
+        result = staging / dest.name
+        if not (result.exists() or result.is_symlink()):
+            raise RuntimeError(f"nothing was written for '{dest}'")
+        fsync_tree(result)
+        commit(result, dest)  # one rename, or one atomic exchange with the dest it replaces
+    finally:
+        remove_path(staging)

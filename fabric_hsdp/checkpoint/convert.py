@@ -1,6 +1,6 @@
 """Offline, streaming checkpoint conversion and inspection (single process, no process group).
 
-``convert_checkpoint`` reads any format :func:`~fabric_hsdp.checkpoint.sources.open_checkpoint` accepts and writes
+``convert_checkpoint`` reads any format :func:`~fabric_hsdp.checkpoint.formats.open_checkpoint` accepts and writes
 DCP, a torch file or safetensors, one tensor at a time. ``inspect_checkpoint`` describes a checkpoint from its
 metadata alone.
 """
@@ -17,11 +17,15 @@ from typing import Any
 
 import torch
 
+from fabric_hsdp.checkpoint.dcp_directory import storage_files
+from fabric_hsdp.checkpoint.dcp_writer import write_dcp
+from fabric_hsdp.checkpoint.formats import open_checkpoint
 from fabric_hsdp.checkpoint.keys import KeyMapSpec, apply_key_map
-from fabric_hsdp.checkpoint.sources import LazyTensor, TensorInfo, map_tensors, open_checkpoint
-from fabric_hsdp.checkpoint.writers import write_dcp, write_safetensors, write_torch_file
+from fabric_hsdp.checkpoint.progress import Progress, format_bytes
+from fabric_hsdp.checkpoint.source import LazyTensor, TensorInfo, tensor_leaves, tree_nbytes
+from fabric_hsdp.checkpoint.writers import parse_size, write_safetensors, write_torch_file
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
 
 OUTPUT_FORMATS = ("dcp", "torch", "safetensors")
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
@@ -30,8 +34,10 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
     "float16": torch.float16,
+    "half": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
+    "float": torch.float32,
 }
 # Files of a Hugging Face directory that are not weights and travel with them (config, tokenizer, ...).
 _SIDECAR_MAX_BYTES = 64 << 20
@@ -59,22 +65,14 @@ class ConvertSummary:
         )
 
 
-def format_bytes(count: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
-
-
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bf16"``/``"fp16"``/``"fp32"`` (or a floating torch dtype) -> torch dtype."""
+    """``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"`` (and the fp16/fp32 names), or a torch dtype -> torch dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if dtype.lower() not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of bf16, fp16, fp32")
-    return DTYPES[dtype.lower()]
+    name = dtype.lower().removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (or torch.<name>)")
+    return DTYPES[name]
 
 
 def output_format(dest: str | os.PathLike, to: str | None = None) -> str:
@@ -94,19 +92,7 @@ def output_format(dest: str | os.PathLike, to: str | None = None) -> str:
 def _cast(tensor: LazyTensor, dtype: torch.dtype | None) -> LazyTensor:
     if dtype is None or tensor.dtype == dtype or not tensor.dtype.is_floating_point:
         return tensor
-    return LazyTensor(tensor.name, tensor.shape, dtype, lambda: tensor.materialize().to(dtype))
-
-
-def _lazy_bytes(tree: Any) -> int:
-    total = 0
-
-    def count(leaf: Any, _: tuple) -> Any:
-        nonlocal total
-        total += leaf.nbytes if isinstance(leaf, LazyTensor) else leaf.numel() * leaf.element_size()
-        return leaf
-
-    map_tensors(tree, count)
-    return total
+    return LazyTensor(tensor.name, tensor.shape, dtype, lambda: tensor.read().to(dtype))
 
 
 def _hf_sidecars(source: Path) -> dict[str, Path]:
@@ -155,11 +141,10 @@ def convert_checkpoint(
         FileExistsError: ``dest`` exists and ``overwrite`` is false.
         ValueError: ``source`` is not a readable checkpoint, or an argument is invalid.
     """
-    from tqdm.auto import tqdm
-
     source, dest = Path(source), Path(dest)
     format = output_format(dest, to)
     cast_to = resolve_dtype(dtype)
+    shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None  # bad sizes fail up front
     if source.exists() and dest.exists() and source.resolve() == dest.resolve():
         raise ValueError(f"source and destination are the same path '{dest}'; write to a new path instead")
     if (dest.exists() or dest.is_symlink()) and not overwrite:
@@ -179,15 +164,8 @@ def convert_checkpoint(
                 source,
             )
             extras = {}
-        total = sum(tensor.nbytes for tensor in tensors.values()) + _lazy_bytes(extras)
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=f"{source.name} -> {dest.name}",
-            disable=None,
-        ) as bar:
+        total = sum(tensor.nbytes for tensor in tensors.values()) + tree_nbytes(extras)
+        with Progress(total, f"converting {source.name} -> {dest.name}") as bar:
             if format == "dcp":
                 write_dcp(dest, tensors, extras=extras, overwrite=overwrite, on_tensor=bar.update)
             elif format == "torch":
@@ -202,13 +180,13 @@ def convert_checkpoint(
                 write_safetensors(
                     dest,
                     tensors,
-                    max_shard_size=max_shard_size,
+                    max_shard_size=shard_limit,
                     extra_files=sidecars,
                     overwrite=overwrite,
                     on_tensor=bar.update,
                 )
         summary = ConvertSummary(
-            tensors=len(tensors) + sum(1 for _ in _iter_leaves(extras)),
+            tensors=len(tensors) + len(tensor_leaves(extras)),
             bytes=total,
             seconds=time.perf_counter() - started,
             source_format=checkpoint.format,
@@ -218,12 +196,6 @@ def convert_checkpoint(
         )
     _logger.info("%s", summary)
     return summary
-
-
-def _iter_leaves(tree: Any) -> list[Any]:
-    leaves: list[Any] = []
-    map_tensors(tree, lambda leaf, _: leaves.append(leaf) or leaf)
-    return leaves
 
 
 def _info_dict(info: TensorInfo) -> dict[str, Any]:
@@ -240,7 +212,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool = True, fi
 
     Returns:
         A JSON-serialisable dict with ``path``, ``format``, ``tensors``, ``parameters``, ``bytes``, ``dtypes``,
-        ``largest``, ``first_keys``, ``extras`` (top-level entries besides the model, with their tensor count and
+        ``largest``, ``first_keys``, ``model_key`` (the entry holding the model tensors, ``None`` for a raw state
+        dict), ``extras`` (top-level entries besides the model, with their tensor count and
         bytes) and, for DCP, ``dcp`` (files and how tensors are chunked).
     """
     with open_checkpoint(path, weights_only=weights_only) as checkpoint:
@@ -257,13 +230,13 @@ def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool = True, fi
             "dtypes": dict(Counter(str(info.dtype).removeprefix("torch.") for info in infos).most_common()),
             "largest": _info_dict(largest) if largest else None,
             "first_keys": [_info_dict(info) for info in infos[:first]],
+            "model_key": getattr(checkpoint, "model_key", None),
             "extras": {
-                key: {"tensors": len(_iter_leaves(value)), "bytes": _lazy_bytes(value)} for key, value in extras.items()
+                key: {"tensors": len(tensor_leaves(value)), "bytes": tree_nbytes(value)}
+                for key, value in extras.items()
             },
         }
         if checkpoint.format == "dcp":
-            from fabric_hsdp.checkpoint._dcp import storage_files
-
             chunk_counts = {name: len(checkpoint.chunks(name)) for name in names}
             split = [name for name, count in chunk_counts.items() if count > 1]
             result["dcp"] = {

@@ -23,15 +23,19 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint._io import release_freed_memory
+from fabric_hsdp.checkpoint.fileio import release_freed_memory
+from fabric_hsdp.checkpoint.formats import open_checkpoint
 from fabric_hsdp.checkpoint.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
-from fabric_hsdp.checkpoint.sources import CheckpointSource, TensorInfo, open_checkpoint
+from fabric_hsdp.checkpoint.progress import Progress
+from fabric_hsdp.checkpoint.source import CheckpointSource, LazyTensor, TensorInfo, read_lazy
+from fabric_hsdp.errors import CheckpointError
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
+# Loads smaller than this show no progress.
+_PROGRESS_MIN_BYTES = 256 << 20
 
 LoadMode = Literal["slice", "turns", "rank0"]
 LOAD_MODES = ("slice", "turns", "rank0")
@@ -70,12 +74,32 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """Each state-dict key -> the first key naming the same tensor (tied weights, e.g. an embedding and the output).
+
+    ``state_dict()`` lists a shared tensor under every name; checkpoints (``save_pretrained``, safetensors) store it
+    under one.
+    """
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(tensor), name) for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
 def plan_keys(
-    source: CheckpointSource, targets: dict[str, torch.Tensor], key_map: KeyMapSpec, strict: bool
+    source: CheckpointSource,
+    targets: dict[str, torch.Tensor],
+    key_map: KeyMapSpec,
+    strict: bool,
+    tied: dict[str, str] | None = None,
 ) -> tuple[KeyMatch, list[str]]:
-    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``."""
+    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``.
+
+    A model key is not missing when another name of the same tied tensor (``tied``) is loaded: that fills both.
+    """
     source_keys = source.keys()
     match = match_keys(source_keys, targets, key_map)
+    if tied:
+        loaded = {tied.get(key, key) for key in match.mapping}
+        match.missing = [key for key in match.missing if tied.get(key, key) not in loaded]
     model_infos = {name: TensorInfo(name, t.shape, t.dtype) for name, t in targets.items()}
     source_infos = {key: source.tensor_info(key) for key in source_keys}
     mismatched = [
@@ -86,7 +110,7 @@ def plan_keys(
     if strict:
         message = format_key_errors(match, model_infos, source_infos, source_name=str(source.path))
         if message:
-            raise ValueError(message)
+            raise CheckpointError(message)
     elif mismatched:
         message = format_key_errors(
             KeyMatch({k: match.mapping[k] for k in mismatched}, [], []),
@@ -95,7 +119,7 @@ def plan_keys(
             source_name=str(source.path),
             hint="strict=False: these are skipped.",
         )
-        _logger.warning("fabric_hsdp: %s", message)
+        _logger.warning("%s", message)
     return match, mismatched
 
 
@@ -114,30 +138,28 @@ def load_into_model(
     """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring)."""
     validate_load_mode(load_mode)
     targets = module.state_dict()
+    tied = tied_names(module)
     if load_mode == "rank0":
-        return _load_from_rank0(path, targets, strict, key_map, weights_only)
+        return _load_from_rank0(path, targets, strict, key_map, weights_only, tied)
     if load_mode == "slice":
         with fail_together(f"loading '{path}'"):
-            return _load_slices(path, targets, strict, key_map, weights_only)
+            return _load_slices(path, targets, strict, key_map, weights_only, tied)
     turns = -(-ranks_per_node // max(1, turn_size))
     result = LoadResult()
     for turn in range(turns):
         with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
             if local_rank // max(1, turn_size) == turn:
-                result = _load_slices(path, targets, strict, key_map, weights_only)
+                result = _load_slices(path, targets, strict, key_map, weights_only, tied)
                 # glibc keeps what the reader freed in its heap; hand it back before the next turn starts, or a node
                 # holds two readers' worth at once (measured by benchmarks/load_memory.py).
                 release_freed_memory()
     return result
 
 
-def _progress(source: CheckpointSource, names: list[str], what: str) -> Any:
-    from tqdm.auto import tqdm
-
+def _progress(source: CheckpointSource, names: list[str], what: str) -> Progress:
     total = sum(source.tensor_info(name).nbytes for name in names)
-    return tqdm(
-        total=total, unit="B", unit_scale=True, desc=what, disable=rank_zero_only.rank != 0 or total < 256 * 2**20
-    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Progress(total, what, enabled=rank == 0 and total >= _PROGRESS_MIN_BYTES)
 
 
 def _load_slices(
@@ -146,9 +168,10 @@ def _load_slices(
     strict: bool,
     key_map: KeyMapSpec,
     weights_only: bool,
+    tied: dict[str, str],
 ) -> LoadResult:
     with open_checkpoint(path, weights_only=weights_only) as source:
-        match, mismatched = plan_keys(source, targets, key_map, strict)
+        match, mismatched = plan_keys(source, targets, key_map, strict, tied)
         names = [k for k in match.mapping if k not in mismatched]
         with _progress(source, [match.mapping[k] for k in names], f"loading {path.name}") as bar, torch.no_grad():
             for model_key in names:
@@ -168,6 +191,7 @@ def _load_from_rank0(
     strict: bool,
     key_map: KeyMapSpec,
     weights_only: bool,
+    tied: dict[str, str],
 ) -> LoadResult:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -177,7 +201,7 @@ def _load_from_rank0(
     with fail_together(f"opening '{path}' on rank 0"):
         if rank == 0:
             source = open_checkpoint(path, weights_only=weights_only)
-            match, mismatched = plan_keys(source, targets, key_map, strict)
+            match, mismatched = plan_keys(source, targets, key_map, strict, tied)
             plan = [(match, mismatched)]
     dist.broadcast_object_list(plan, src=0)
     match, mismatched = plan[0]
@@ -213,17 +237,15 @@ def load_optimizer_from_extras(
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from fabric_hsdp.checkpoint.sources import LazyTensor
-
     current = get_optimizer_state_dict(module, optimizer)  # initialises the state, sharded like the parameters
     by_name = _state_by_name(saved, current, name)
     with torch.no_grad():
         for fqn, entries in current["state"].items():
             if fqn not in by_name:
-                raise ValueError(f"optimizer entry {name!r} of the checkpoint has no state for parameter {fqn!r}")
+                raise CheckpointError(f"optimizer entry {name!r} of the checkpoint has no state for parameter {fqn!r}")
             for key, target in entries.items():
                 value = by_name[fqn][key]
-                value = value.materialize() if isinstance(value, LazyTensor) else value
+                value = value.read() if isinstance(value, LazyTensor) else value
                 if not isinstance(target, torch.Tensor):
                     entries[key] = value
                     continue
@@ -246,7 +268,7 @@ def _state_by_name(saved: dict[str, Any], current: dict[str, Any], name: str) ->
     names = [fqn for group in current["param_groups"] for fqn in group["params"]]
     numbers = [number for group in saved["param_groups"] for number in group["params"]]
     if len(names) != len(numbers):
-        raise ValueError(
+        raise CheckpointError(
             f"optimizer entry {name!r} of the checkpoint has {len(numbers)} parameters, the optimizer {len(names)}"
         )
     return {fqn: state[number] for fqn, number in zip(names, numbers) if number in state}
@@ -266,13 +288,11 @@ def restore_extras(
     """
     from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 
-    from fabric_hsdp.checkpoint.sources import materialize
-
     with open_checkpoint(path, weights_only=weights_only) as source:
         extras = source.extras(lazy=True)
         _validate_keys_for_strict_loading(set(optimizers) | plain_keys, extras.keys(), strict=strict)
         for key, optimizer in optimizers.items():
             if key in extras:
                 load_optimizer_from_extras(module, optimizer, extras.pop(key), key)
-        requested = {key: materialize(extras.pop(key)) for key in plain_keys if key in extras}
-        return requested, materialize(extras)
+        requested = {key: read_lazy(extras.pop(key)) for key in plain_keys if key in extras}
+        return requested, read_lazy(extras)

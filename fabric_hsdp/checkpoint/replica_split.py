@@ -29,7 +29,7 @@ class _Split:
     part: torch.Tensor  # this rank's rows of it (a view), filled by the load
 
 
-def split_for_load(state: dict[str, Any], mesh: Any) -> tuple[dict[str, Any], list[_Split]]:
+def replica_parts(state: dict[str, Any], mesh: Any) -> tuple[dict[str, Any], list[_Split]]:
     """A copy of the nested ``state`` whose evenly divisible HSDP tensors are replaced by this rank's ``1/R`` part.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Save and load the strategy's state: sharded DCP directories (default) and consolidated full files.
+"""Save and load the strategy's state as a sharded DCP directory, written and read by every rank in parallel.
 
 Layout of a sharded checkpoint (the same as Lightning's ``ModelParallelStrategy``, so each reads the other's): DCP
 entries ``<model key>.<param>`` and ``<optimizer key>.*`` written by every rank in parallel, each replicated shard
@@ -8,12 +8,11 @@ visible at its path only when complete (see :mod:`fabric_hsdp.checkpoint.commit`
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,14 +24,31 @@ from torch.optim import Optimizer
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint import background, commit, replica_split
-from fabric_hsdp.checkpoint.sources import LazyTensor
+from fabric_hsdp.checkpoint.dcp_io import (
+    META_FILE,
+    OneCopyReader,
+    SafeLoadPlanner,
+    check_complete,
+    first_failure,
+    read_metadata,
+    save_error,
+    top_level_keys,
+)
+from fabric_hsdp.checkpoint.progress import log_throughput
+from fabric_hsdp.errors import CheckpointError
 
-_logger = logging.getLogger("fabric_hsdp")
-META_FILE = "meta.pt"
+
+class StateParts(NamedTuple):
+    """A checkpoint state sorted by kind: the one sharded model, the optimizers, and the plain values."""
+
+    model_key: str
+    model: nn.Module
+    optimizers: dict[str, Optimizer]
+    plain: dict[str, Any]
 
 
-def split_state(state: dict[str, Any]) -> tuple[str, nn.Module, dict[str, Optimizer], dict[str, Any]]:
-    """``(model key, sharded model, optimizers by key, everything else)``; exactly one sharded model is required."""
+def state_parts(state: dict[str, Any]) -> StateParts:
+    """Sort ``state`` into its parts; exactly one model set up by the strategy (holding DTensors) is required."""
     from torch.distributed.tensor import DTensor
 
     models = {
@@ -49,10 +65,11 @@ def split_state(state: dict[str, Any]) -> tuple[str, nn.Module, dict[str, Optimi
     (model_key, model), *_ = models.items()
     optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
     plain = {key: value for key, value in state.items() if key not in models and key not in optimizers}
-    return model_key, model, optimizers, plain
+    return StateParts(model_key, model, optimizers, plain)
 
 
-def _plain_values(plain: dict[str, Any]) -> dict[str, Any]:
+def plain_values(plain: dict[str, Any]) -> dict[str, Any]:
+    """The values to store for the plain entries of a state: ``state_dict()`` of stateful objects (schedulers)."""
     return {key: value.state_dict() if isinstance(value, _Stateful) else value for key, value in plain.items()}
 
 
@@ -66,7 +83,7 @@ def save_sharded(
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model_key, model, optimizers, plain = split_state(state)
+    model_key, model, optimizers, plain = state_parts(state)
     rank = dist.get_rank()
     staged = Path(broadcast(commit.staging_path(path)))
     started = time.monotonic()
@@ -74,7 +91,7 @@ def save_sharded(
         if rank == 0:
             commit.remove_leftovers(path)
             staged.mkdir(parents=True)
-            _save_meta(_plain_values(plain), staged / META_FILE)
+            _save_meta(plain_values(plain), staged / META_FILE)
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
@@ -93,7 +110,7 @@ def save_sharded(
             commit.discard(staged)  # the previous checkpoint at `path` is untouched
         raise
     if rank == 0:
-        background.log_throughput("saved", path, time.monotonic() - started)
+        log_throughput("saved", path, time.monotonic() - started)
     return None
 
 
@@ -104,7 +121,7 @@ def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
     try:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staged)))
     except CheckpointException as error:
-        raise background.save_error(error, path) from None
+        raise save_error(error, path) from None
 
 
 def _save_meta(values: dict[str, Any], file: Path) -> None:
@@ -135,17 +152,15 @@ def load_sharded(
         set_optimizer_state_dict,
     )
 
-    from fabric_hsdp.checkpoint._dcp import SafeLoadPlanner, _SingleCopyReader, first_failure
-
     safe = weights_only is not False
     with fail_together(f"opening checkpoint '{path}'"):
-        metadata = commit.check_complete_dcp(path, weights_only=safe)
-        model_key, model, optimizers, plain = split_state(state)
-        saved_keys = _top_level_keys(metadata)
+        metadata = check_complete(path, weights_only=safe)
+        model_key, model, optimizers, plain = state_parts(state)
+        saved_keys = top_level_keys(metadata)
         wanted = [model_key, *optimizers]
         missing = [key for key in wanted if key not in saved_keys]
         if missing:
-            raise KeyError(
+            raise CheckpointError(
                 f"checkpoint '{path}' has no entry {missing[0]!r} (it holds {sorted(saved_keys)}). Use the keys it was"
                 " saved with, e.g. state={'model': model, 'optimizer': optimizer}."
             )
@@ -154,10 +169,10 @@ def load_sharded(
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
-    targets, splits = replica_split.split_for_load(tensors, split_mesh) if split_mesh is not None else (tensors, [])
+    targets, splits = replica_split.replica_parts(tensors, split_mesh) if split_mesh is not None else (tensors, [])
     planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
     try:
-        dcp.load(targets, storage_reader=_SingleCopyReader(path, metadata), planner=planner)
+        dcp.load(targets, storage_reader=OneCopyReader(path, metadata), planner=planner)
     except CheckpointException as error:
         raise first_failure(error) from None  # e.g. SafeLoadPlanner's "pass weights_only=False"
     replica_split.gather_and_restore(splits, split_mesh)
@@ -169,91 +184,18 @@ def load_sharded(
     _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
     _move_state_into(source=meta, destination=state, keys=set(plain))
     if dist.get_rank() == 0:
-        background.log_throughput("loaded", path, time.monotonic() - started)
+        log_throughput("loaded", path, time.monotonic() - started)
     return meta
 
 
 def is_sharded_checkpoint(path: Path, model_key: str, *, weights_only: bool = True) -> bool:
     """A DCP directory (or a broken one) with ``model_key`` entries: loaded with resharding, not as a raw source."""
-    from fabric_hsdp.checkpoint._dcp import read_metadata
-
     if not path.is_dir() or (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return False
     if not (path / ".metadata").is_file():
         return any(path.glob("*.distcp"))  # an interrupted save: load_sharded names what is missing
     try:
         metadata = read_metadata(path, weights_only=weights_only)
-    except ValueError:
+    except CheckpointError:
         return True  # load_sharded reports why its metadata cannot be read
-    return model_key in _top_level_keys(metadata)
-
-
-def _top_level_keys(metadata: Any) -> set[str]:
-    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    return {mapping[fqn][0] if fqn in mapping else fqn.split(".")[0] for fqn in metadata.state_dict_metadata}
-
-
-def save_full(path: Path, state: dict[str, Any]) -> None:
-    """Write one consolidated file from rank 0, gathering one tensor at a time (``.pth`` Fabric layout or safetensors).
-
-    Rank 0 asks for each tensor by name; every rank then takes part in that one all-gather. Rank 0 thus holds the
-    file it writes plus one full tensor; the others hold one full tensor at most.
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    from fabric_hsdp.checkpoint.writers import write_safetensors, write_torch_file
-
-    model_key, model, optimizers, plain = split_state(state)
-    if path.suffix == ".safetensors" and optimizers:
-        raise ValueError(
-            f"'{path}' is a safetensors file, which holds model tensors only, but the state has optimizer(s)"
-            f" {list(optimizers)}. Save {{'model': model}} alone to .safetensors, or use a .pth path for the rest."
-        )
-    sharded: dict[str, torch.Tensor] = {}
-
-    def lazy(name: str, tensor: Any) -> Any:
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        sharded[name] = tensor
-        return LazyTensor(name, tensor.shape, tensor.dtype, lambda: _gather(name, sharded[name], request=True))
-
-    model_tensors = {name: lazy(f"{model_key}.{name}", t) for name, t in get_model_state_dict(model).items()}
-    extras: dict[str, Any] = {}
-    for key, optimizer in optimizers.items():
-        optimizer_state = get_optimizer_state_dict(model, optimizer)
-        extras[key] = {
-            "state": {
-                fqn: {name: lazy(f"{key}.{fqn}.{name}", value) for name, value in entries.items()}
-                for fqn, entries in optimizer_state["state"].items()
-            },
-            "param_groups": optimizer_state["param_groups"],
-        }
-    extras.update(_plain_values(plain))
-    with fail_together(f"saving full checkpoint '{path}'"):
-        if dist.get_rank() == 0:
-            try:
-                if path.suffix == ".safetensors":
-                    write_safetensors(path, model_tensors, overwrite=True)
-                else:
-                    write_torch_file(path, model_tensors, extras=extras, model_key=model_key, overwrite=True)
-            finally:
-                _broadcast_name(None)  # releases the other ranks, also when writing failed
-        else:
-            while (name := _broadcast_name(None)) is not None:
-                _gather(name, sharded[name], request=False)
-
-
-def _broadcast_name(name: str | None) -> str | None:
-    box = [name]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(name: str, tensor: torch.Tensor, request: bool) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    if request:
-        _broadcast_name(name)
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    return tensor.detach().cpu().clone() if request else tensor
+    return model_key in top_level_keys(metadata)

@@ -211,3 +211,41 @@ def test_dcp_to_hugging_face_directory_carries_no_dcp_files(tmp_path, state_dict
     convert_checkpoint(tmp_path / "model.pth", tmp_path / "dcp")
     convert_checkpoint(tmp_path / "dcp", tmp_path / "hf", to="safetensors")
     assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("dest", ["out", "out.pth", "out.safetensors"])
+def test_an_interrupt_inside_the_file_writer_stays_an_interrupt(tmp_path, state_dict, monkeypatch, dest):
+    """Ctrl-C while torch's zip writer writes (DCP, torch files): its clean-up error must not replace the interrupt."""
+    from fabric_hsdp.checkpoint import fileio
+
+    torch.save({f"w{i}": torch.randn(64, 1024) for i in range(6)}, tmp_path / "in.pth")
+    calls = []
+    write = fileio.DirectFileWriter.write
+
+    def interrupted_write(self, data):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return write(self, data)
+
+    monkeypatch.setattr(fileio.DirectFileWriter, "write", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(tmp_path / "in.pth", tmp_path / dest)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.pth"]
+
+
+def test_progress_reaches_a_log_without_a_terminal(tmp_path, state_dict, monkeypatch, caplog):
+    """In a batch log (no terminal) a long conversion logs bytes done, rate and time left; here every tensor."""
+    from fabric_hsdp.checkpoint import progress
+
+    torch.save(state_dict, tmp_path / "in.pth")
+    monkeypatch.setattr(progress, "LOG_INTERVAL", 0.0)
+    with caplog.at_level(logging.INFO, logger="fabric_hsdp"):
+        convert_checkpoint(tmp_path / "in.pth", tmp_path / "out.safetensors")
+    lines = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("converting in.pth -> out.safetensors")
+    ]
+    total = progress.format_bytes(sum(t.numel() * t.element_size() for t in state_dict.values()))
+    assert len(lines) == len(state_dict)
+    assert lines[-1].startswith(f"converting in.pth -> out.safetensors: {total} of {total} (100%), ")
+    assert lines[-1].endswith(" 0 s left")

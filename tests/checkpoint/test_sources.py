@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from fabric_hsdp import CheckpointError
 from fabric_hsdp.checkpoint import TensorInfo, open_checkpoint
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
 
@@ -267,9 +268,12 @@ def test_truncated_dcp_data_file(tmp_path, state_dict):
     torch_save_to_dcp(tmp_path / "raw.pth", tmp_path / "dcp")
     data_file = next((tmp_path / "dcp").glob("*.distcp"))
     _truncate(data_file, data_file.stat().st_size // 2)
-    with open_checkpoint(tmp_path / "dcp") as source, pytest.raises(ValueError, match="truncated"):
-        for name in source:
-            source.read(name)
+    # found when opening, from .metadata alone, before any tensor is read (inspect reports it too)
+    with pytest.raises(CheckpointError, match=r"is incomplete: '__0_0.distcp' is truncated \(\d+ of \d+ bytes\)"):
+        open_checkpoint(tmp_path / "dcp")
+    data_file.unlink()
+    with pytest.raises(CheckpointError, match="is incomplete: '__0_0.distcp' is missing"):
+        open_checkpoint(tmp_path / "dcp")
     shutil.rmtree(tmp_path / "dcp")
 
 
@@ -289,7 +293,7 @@ def test_read_into_a_given_tensor(tmp_path, state_dict):
                 source.read("embed.weight", out=torch.empty(16, 8, dtype=torch.float16))
             lazy = source.lazy_tensors()["embed.weight"]
             target = torch.empty(16, 8)
-            assert lazy.materialize(out=target) is target
+            assert lazy.read(out=target) is target
             assert torch.equal(target, state_dict["embed.weight"])
 
 
@@ -338,7 +342,7 @@ def test_dcp_tensor_saved_in_several_chunks(tmp_path, dim):
 def test_safe_load_planner_refuses_arbitrary_objects_unless_opted_in(tmp_path):
     from torch.distributed.checkpoint import CheckpointException
 
-    from fabric_hsdp.checkpoint._dcp import SafeLoadPlanner, first_failure
+    from fabric_hsdp.checkpoint.dcp_io import SafeLoadPlanner, first_failure
 
     dcp.save(
         {"x": torch.ones(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}]}, checkpoint_id=tmp_path / "ok", no_dist=True
@@ -353,7 +357,8 @@ def test_safe_load_planner_refuses_arbitrary_objects_unless_opted_in(tmp_path):
         dcp.load(state, checkpoint_id=tmp_path / "bad", planner=SafeLoadPlanner(weights_only=True), no_dist=True)
     error = first_failure(caught.value)
     assert isinstance(error, ValueError)
-    assert "'obj' holds objects that safe loading refuses" in str(error) and "weights_only=False" in str(error)
+    assert "checkpoint entry 'obj' holds Python objects that safe loading (weights_only=True) refuses" in str(error)
+    assert "weights_only=False" in str(error)
     state = {"x": torch.zeros(3), "obj": None}
     dcp.load(state, checkpoint_id=tmp_path / "bad", planner=SafeLoadPlanner(weights_only=False), no_dist=True)
     assert isinstance(state["obj"], NotAllowed)

@@ -16,7 +16,7 @@ from fabric_hsdp.checkpoint import (
     write_safetensors,
     write_torch_file,
 )
-from fabric_hsdp.checkpoint._io import DirectFileWriter, release_freed_memory
+from fabric_hsdp.checkpoint.fileio import DirectFileWriter, release_freed_memory
 from fabric_hsdp.checkpoint.writers import parse_size, plan_shards
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
 

@@ -3,12 +3,15 @@
 Each rank runs ``tests/helpers/worker.py``, which imports a scenario function (``module:function``), calls it with the
 JSON arguments, and saves what it returns with ``torch.save`` to ``<out_dir>/rank<R>.pt``. The launcher enforces a
 timeout, ends every rank as soon as one fails (after a short grace period), and returns what each rank reported.
+Ranks are forked from a process that has imported torch and Lightning once (see ``forkserver.py``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -24,6 +27,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
+FORKSERVER = Path(__file__).with_name("forkserver.py")
 
 
 def free_port() -> int:
@@ -68,6 +72,106 @@ class LaunchResult:
         return self
 
 
+class _ForkServer:
+    """Client of ``forkserver.py``: starts ranks as forks of one process that has imported torch and Lightning."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        self._process = subprocess.Popen(
+            [sys.executable, str(FORKSERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO_ROOT
+        )
+        self._pending = b""
+        self._returncodes: dict[int, int] = {}
+        self._started: list[int] = []
+        deadline = time.monotonic() + 120
+        while not self._read_replies(block=True).get("ready"):
+            if time.monotonic() > deadline or self._process.poll() is not None:
+                raise RuntimeError(f"the fork server did not start (exit {self._process.poll()})")
+
+    def _read_replies(self, block: bool) -> dict[str, Any]:
+        """Read what the server has written; returns the last non-exit message (``{"pid"}`` or ``{"ready"}``)."""
+        last: dict[str, Any] = {}
+        fd = self._process.stdout.fileno()
+        while True:
+            readable, _, _ = select.select([fd], [], [], 1.0 if block else 0)
+            if not readable:
+                return last
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the fork server exited (exit {self._process.wait()})")
+            self._pending += chunk
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                message = json.loads(line)
+                if "returncode" in message:
+                    self._returncodes[message["pid"]] = message["returncode"]
+                else:
+                    last = message
+                    if "pid" in message:
+                        self._started.append(message["pid"])
+            if last or not block:
+                return last
+
+    def start(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> _ForkedRank:
+        request = {"argv": argv, "env": env, "cwd": str(REPO_ROOT), "stdout": str(stdout), "stderr": str(stderr)}
+        self._process.stdin.write((json.dumps(request) + "\n").encode())
+        self._process.stdin.flush()
+        count = len(self._started)
+        while len(self._started) == count:
+            self._read_replies(block=True)
+        return _ForkedRank(self, self._started[-1])
+
+    def returncode(self, pid: int) -> int | None:
+        self._read_replies(block=False)
+        return self._returncodes.get(pid)
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait(timeout=30)
+
+
+class _ForkedRank:
+    """The ``poll``/``wait``/``pid``/``returncode`` of ``subprocess.Popen`` for a rank the fork server started."""
+
+    def __init__(self, server: _ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.returncode(self.pid)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.02)
+        return self.returncode
+
+
+_server: _ForkServer | None = None
+
+
+def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Any:
+    """Start one rank: forked from the fork server, or a fresh ``python`` if ``FABRIC_HSDP_TEST_FRESH_PROCESSES=1``."""
+    global _server
+    stdout.touch()
+    stderr.touch()
+    if os.environ.get("FABRIC_HSDP_TEST_FRESH_PROCESSES") == "1":
+        with open(stdout, "w") as out, open(stderr, "w") as err:
+            return subprocess.Popen([sys.executable, *command], env=env, stdout=out, stderr=err, start_new_session=True)
+    if _server is None:
+        _server = _ForkServer()
+        atexit.register(_server.close)
+    return _server.start(command, env, stdout, stderr)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace")
+
+
 def launch(
     scenario: str,
     args: dict[str, Any] | None = None,
@@ -108,10 +212,9 @@ def launch(
             )
             rank_env.update(env or {})
             out_file = workdir / f"rank{global_rank}.pt"
-            stdout = open(workdir / f"rank{global_rank}.out", "w+")  # noqa: SIM115
-            stderr = open(workdir / f"rank{global_rank}.err", "w+")  # noqa: SIM115
-            command = [sys.executable, str(WORKER), scenario, json.dumps(call_args), str(out_file)]
-            process = subprocess.Popen(command, env=rank_env, stdout=stdout, stderr=stderr, start_new_session=True)
+            stdout, stderr = workdir / f"rank{global_rank}.out", workdir / f"rank{global_rank}.err"
+            command = [str(WORKER), scenario, json.dumps(call_args), str(out_file)]
+            process = _start(command, rank_env, stdout, stderr)
             processes.append((global_rank, process, stdout, stderr, out_file))
 
     timed_out = False
@@ -136,12 +239,8 @@ def launch(
 
     result = LaunchResult(timed_out=timed_out, seconds=time.monotonic() - start)
     for global_rank, process, stdout, stderr, out_file in processes:
-        stdout.seek(0)
-        stderr.seek(0)
         value = torch.load(out_file, weights_only=False) if out_file.exists() else None
-        result.ranks.append(RankResult(global_rank, process.returncode, stdout.read(), stderr.read(), value))
-        stdout.close()
-        stderr.close()
+        result.ranks.append(RankResult(global_rank, process.returncode, _read(stdout), _read(stderr), value))
     if out_dir is None:
         shutil.rmtree(workdir, ignore_errors=True)  # everything it held is in `result` now
     return result

@@ -255,16 +255,16 @@ def load_raw_state(num_nodes: int, devices: int, out: str, name: str) -> dict:
 
 def load_counting_reads(num_nodes: int, devices: int, out: str, split_replica_reads: bool) -> dict:
     """``load`` on this topology, counting the tensor bytes this rank reads from the checkpoint's files."""
-    from fabric_hsdp.checkpoint import _io
+    from fabric_hsdp.checkpoint import fileio
 
     counted = {"bytes": 0}
-    readinto = _io.readinto  # every read of tensor bytes ends here
+    readinto = fileio.readinto  # every read of tensor bytes ends here
 
     def counting_readinto(fd: int, target: torch.Tensor, offset: int, **kw: Any) -> None:
         counted["bytes"] += target.nbytes
         readinto(fd, target, offset, **kw)
 
-    _io.readinto = counting_readinto
+    fileio.readinto = counting_readinto
     facts = load(num_nodes, devices, out, split_replica_reads=split_replica_reads)
     return dict(facts, bytes_read=counted["bytes"])
 
@@ -273,7 +273,7 @@ def split_parts(num_nodes: int, devices: int) -> dict:
     """What each rank of a 2 x 2 mesh reads of two (Replicate, Shard(0)) tensors, and what the gather puts back."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from fabric_hsdp.checkpoint.replica_split import gather_and_restore, split_for_load
+    from fabric_hsdp.checkpoint.replica_split import gather_and_restore, replica_parts
 
     fabric = make_fabric(num_nodes, devices)
     mesh = fabric.strategy.device_mesh
@@ -284,7 +284,7 @@ def split_parts(num_nodes: int, devices: int) -> dict:
         "model": {"even": DTensor.from_local(even.chunk(2)[mesh.get_local_rank(1)].clone(), mesh, placements)},
         "other": [{"uneven": DTensor.from_local(uneven.chunk(2)[mesh.get_local_rank(1)].clone(), mesh, placements)}],
     }
-    targets, splits = split_for_load(state, mesh)
+    targets, splits = replica_parts(state, mesh)
     part = targets["model"]["even"]
     facts = {
         "coordinate": mesh.get_coordinate(),

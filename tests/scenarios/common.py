@@ -105,13 +105,23 @@ def batch(global_batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full plain tensor (gathers DTensor shards), on CPU."""
+    """Every parameter and buffer as a full plain tensor (gathers DTensor shards), on CPU, in the model's own layout.
+
+    Tensor parallelism keeps the rows of fused projections (litgpt's qkv) grouped by rank; they are put back in the
+    model's order, as a checkpoint stores them.
+    """
     from torch.distributed.tensor import DTensor
 
+    from fabric_hsdp.tensor_parallel import fused_rows_of
+
+    model = getattr(model, "module", model)
+    fused = fused_rows_of(model)
     state = {}
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
+        if name in fused:
+            tensor = fused[name].to_stored_order(tensor)
         state[name] = tensor.detach().cpu().clone()
     return state
 
@@ -120,10 +130,14 @@ def copy_full_into(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a sharded model: each rank keeps the slice its DTensor shard covers."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from fabric_hsdp.tensor_parallel import fused_rows_of
+
+    fused = fused_rows_of(getattr(model, "module", model))
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
+            full = fused[name].to_module_order(state[name]) if name in fused else state[name]
             if isinstance(tensor, DTensor):
-                local = distribute_tensor(state[name].to(tensor.dtype), tensor.device_mesh, tensor.placements)
+                local = distribute_tensor(full.to(tensor.dtype), tensor.device_mesh, tensor.placements)
                 tensor.to_local().copy_(local.to_local())
             else:
-                tensor.copy_(state[name])
+                tensor.copy_(full)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.scenarios.common import batch, build, copy_full_into, full_state, layer_class, logits_of, make_fabric
+from tests.scenarios.common import batch, build, copy_full_into, hf_config, layer_class, logits_of, make_fabric
 
 
 def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str = "llama") -> dict[str, Any]:
@@ -56,81 +56,6 @@ def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str
     with torch.no_grad():
         facts["max_logit_diff"] = (logits_of(model, tokens) - logits_of(reference, tokens)).abs().max().item()
     return facts
-
-
-def parity(
-    num_nodes: int,
-    devices: int,
-    kind: str = "llama",
-    steps: int = 3,
-    accumulate: int = 1,
-    clip: str | None = None,
-    activation_checkpointing: bool = False,
-    setup_together: bool = False,
-) -> dict[str, Any]:
-    """Train on 1/world of the batch per rank; a single process trains on the full batch; return both."""
-    strategy_kwargs: dict[str, Any] = {"sharded_modules": {layer_class(kind)}}
-    if activation_checkpointing:
-        strategy_kwargs["activation_checkpointing"] = {layer_class(kind)}
-    fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
-    world, rank = fabric.world_size, fabric.global_rank
-    per_rank = 2 * accumulate
-    inputs, targets = batch(per_rank * world)
-
-    reference = build(kind, seed=0)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    reference_losses, reference_norms = [], []
-    for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(logits_of(reference, inputs).flatten(0, 1), targets.flatten())
-        loss.backward()
-        if clip == "norm":
-            reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5).item())
-        elif clip == "value":
-            torch.nn.utils.clip_grad_value_(reference.parameters(), clip_value=0.01)
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-        reference_losses.append(loss.item())
-
-    model = build(kind, seed=0)
-    if setup_together:
-        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    else:
-        model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    my_inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
-    my_targets = targets[rank * per_rank : (rank + 1) * per_rank]
-    losses, norms = [], []
-    for _ in range(steps):
-        step_loss = torch.zeros(())
-        for micro in range(accumulate):
-            rows = slice(2 * micro, 2 * micro + 2)
-            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
-                logits = logits_of(model, my_inputs[rows])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), my_targets[rows].flatten())
-                fabric.backward(loss / accumulate)
-            step_loss += loss.detach() / accumulate
-        if clip == "norm":
-            norms.append(fabric.clip_gradients(model, optimizer, max_norm=0.5).item())
-        elif clip == "value":
-            fabric.clip_gradients(model, optimizer, clip_val=0.01)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
-
-    reference_state = {k: v.detach() for k, v in reference.state_dict().items()}
-    state = full_state(model)
-    relative = {
-        name: ((state[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-        for name, ref in reference_state.items()
-        if ref.is_floating_point()
-    }
-    return {
-        "losses": losses,
-        "reference_losses": reference_losses,
-        "norms": norms,
-        "reference_norms": reference_norms,
-        "max_relative_param_diff": max(relative.values()),
-    }
 
 
 def mixed_precision(num_nodes: int, devices: int) -> dict[str, Any]:
@@ -185,9 +110,11 @@ def init_consistency(num_nodes: int, devices: int) -> dict[str, Any]:
     return facts
 
 
-def train_and_exit(num_nodes: int, devices: int) -> dict[str, Any]:
+def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """A script that does nothing special: train a step and let the interpreter exit."""
-    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
+    )
     with fabric.init_module(empty_init=True):
         model = build("llama")
     model = fabric.setup_module(model)
@@ -215,3 +142,65 @@ def fail_on_one_rank(num_nodes: int, devices: int, failing_rank: int) -> None:
 
 def bad_shard_size(num_nodes: int, devices: int, shard_size: int) -> None:
     make_fabric(num_nodes, devices, shard_size=shard_size, sharded_modules={layer_class("llama")})
+
+
+def bad_tensor_parallel(num_nodes: int, devices: int, tensor_parallel_size: int, heads: int = 4) -> None:
+    """A tensor-parallel size the topology rejects, or a model whose heads it would split: every rank must fail."""
+    from transformers import LlamaForCausalLM
+
+    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size)
+    config = hf_config()
+    config.num_attention_heads = config.num_key_value_heads = heads
+    config.hidden_size, config.head_dim = 16 * heads, 16  # q_proj: 16 * heads rows, divisible by 2 even for 3 heads
+    started = time.monotonic()
+    try:
+        fabric.setup_module(LlamaForCausalLM(config))
+    finally:
+        print(f"setup ended after {time.monotonic() - started:.2f}s", flush=True)
+    dist.barrier()  # never reached when setup fails somewhere
+
+
+def tensor_parallel_init(num_nodes: int, devices: int, shard_size: Any = "node") -> dict[str, Any]:
+    """Meta init under tensor parallelism: slices differ, values replicated over a dim are equal along it."""
+    from fabric_hsdp.tensor_parallel import fused_rows_of
+
+    fabric = make_fabric(num_nodes, devices, shard_size=shard_size, tensor_parallel_size=2)
+    fabric.seed_everything(100 + fabric.global_rank)  # per-rank seeds, as in the user report
+    facts: dict[str, Any] = {}
+    for kind in ("llama", "litgpt"):
+        reference = build(kind, seed=0)
+        with fabric.init_module(empty_init=True):
+            model = build(kind, seed=fabric.global_rank)
+        model = fabric.setup_module(model)
+        mesh = fabric.strategy.parallel_mesh
+        gathered = {}
+        for name, param in model.module.named_parameters():
+            local = param.to_local().contiguous()
+            pieces = [torch.empty_like(local) for _ in range(fabric.world_size)]
+            dist.all_gather(pieces, local)
+            gathered[name] = pieces
+        coordinates = [fabric.strategy.topology.coordinates(rank) for rank in range(fabric.world_size)]
+        norms = {
+            name: all(bool((piece == 1).all()) for piece in pieces)
+            for name, pieces in gathered.items()
+            if "norm" in name
+        }
+        facts[kind] = {
+            "coordinates": coordinates,
+            "mesh_shape": tuple(mesh.device_mesh.shape),
+            "mesh_dim_names": mesh.device_mesh.mesh_dim_names,
+            "replicated_dims": {name: mesh.replicated_dims(p) for name, p in model.module.named_parameters()},
+            "placements": {name: tuple(str(x) for x in p.placements) for name, p in model.module.named_parameters()},
+            "gathered": {name: [piece.clone() for piece in pieces] for name, pieces in gathered.items()},
+            "norms_are_ones": norms,
+            "fused": sorted(fused_rows_of(model.module)),
+            "buffers_equal": {
+                name: torch.equal(buffer.cpu(), dict(reference.named_buffers())[name])
+                for name, buffer in model.module.named_buffers()
+            },
+        }
+        copy_full_into(model, reference.state_dict())  # the same weights give the same logits
+        tokens, _ = batch(2)
+        with torch.no_grad():
+            facts[kind]["max_logit_diff"] = (logits_of(model, tokens) - logits_of(reference, tokens)).abs().max().item()
+    return facts

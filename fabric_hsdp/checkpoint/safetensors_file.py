@@ -3,7 +3,8 @@
 The format is documented: an 8-byte little-endian header length, a JSON header (dtype, shape and byte range of
 each tensor), then the raw row-major data. Parsing the header here gives each tensor's file offset, so reads are
 positioned reads into a fresh tensor (``safe_open`` would mmap the file, and the pages it touches stay resident
-until the handle is closed).
+until the handle is closed). The package therefore does not depend on the ``safetensors`` library; its tests read
+what this package writes with it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from fabric_hsdp.checkpoint import _io
-from fabric_hsdp.checkpoint.sources import ACCEPTED_FORMATS, CheckpointSource, TensorInfo
+from fabric_hsdp.checkpoint import fileio
+from fabric_hsdp.checkpoint.source import CheckpointSource, TensorInfo
+from fabric_hsdp.errors import CheckpointError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -35,13 +37,13 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "C64": torch.complex64,
 }
-# safetensors caps the JSON header at 100 MB; anything larger is not a safetensors file.
+# safetensors caps the JSON header at 100 MB.
 _SAFETENSORS_MAX_HEADER = 100_000_000
 
 
-def looks_like_safetensors(head: bytes, size: int) -> bool:
-    header_len = int.from_bytes(head[:8], "little") if len(head) >= 9 else 0
-    return 0 < header_len <= min(size - 8, _SAFETENSORS_MAX_HEADER) and head[8:9] == b"{"
+def looks_like_safetensors(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (16 bytes or more) is safetensors: a length, then a JSON object."""
+    return len(head) >= 10 and head[8:9] == b"{" and head[9:10] in (b'"', b"}", b" ", b"\n")
 
 
 class SafetensorsFile(CheckpointSource):
@@ -61,16 +63,16 @@ class SafetensorsFile(CheckpointSource):
         size = os.fstat(self._fd).st_size
         head = os.pread(self._fd, 8, 0)
         header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if header_len <= 0 or header_len > _SAFETENSORS_MAX_HEADER:
-            raise ValueError(
-                f"'{self._file}' is not a safetensors file (bad header length). Accepted: {ACCEPTED_FORMATS}"
+        if not 0 < header_len <= _SAFETENSORS_MAX_HEADER or 8 + header_len > size:
+            raise CheckpointError(
+                f"'{self._file}' has a damaged safetensors header: its length field says {header_len} bytes, but the"
+                f" file has {size} bytes and safetensors allows at most {_SAFETENSORS_MAX_HEADER}. Re-copy or re-save"
+                " the checkpoint."
             )
-        if 8 + header_len > size:
-            raise ValueError(f"'{self._file}' is truncated: its safetensors header needs {header_len} bytes")
         try:
             header = json.loads(os.pread(self._fd, header_len, 8))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"'{self._file}' has a damaged safetensors header ({error})") from None
+            raise CheckpointError(f"'{self._file}' has a damaged safetensors header ({error})") from None
         data_start = 8 + header_len
         metadata = header.pop("__metadata__", None) or {}
         entries = {}
@@ -80,16 +82,16 @@ class SafetensorsFile(CheckpointSource):
                 begin, end = entry["data_offsets"]
                 info = TensorInfo(name, torch.Size(entry["shape"]), dtype)
             except (KeyError, TypeError, ValueError):
-                raise ValueError(
+                raise CheckpointError(
                     f"'{self._file}' has an unsupported or damaged header entry for {name!r}: {entry!r}"
                 ) from None
             if end - begin != info.nbytes:
-                raise ValueError(
+                raise CheckpointError(
                     f"'{self._file}': tensor {name!r} {list(info.shape)} {dtype} needs {info.nbytes} bytes but its"
                     f" header gives {end - begin}"
                 )
             if data_start + end > size:
-                raise ValueError(
+                raise CheckpointError(
                     f"'{self._file}' is truncated: tensor {name!r} ends at byte {data_start + end} but the file has"
                     f" {size} bytes. Re-copy or re-save the checkpoint."
                 )
@@ -104,11 +106,11 @@ class SafetensorsFile(CheckpointSource):
 
     def _read(self, name: str, out: torch.Tensor | None) -> torch.Tensor:
         offset, info = self._entries[name]
-        return _io.read_tensor(self._fd, offset, info.shape, info.dtype, file_name=self._file, out=out)
+        return fileio.read_tensor(self._fd, offset, info.shape, info.dtype, file_name=self._file, out=out)
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         offset, info = self._entries[name]
-        return _io.read_box(self._fd, offset, info.shape, info.dtype, index, name=name, file_name=self._file)
+        return fileio.read_box(self._fd, offset, info.shape, info.dtype, index, name=name, file_name=self._file)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from fabric_hsdp.checkpoint import _io
-from fabric_hsdp.checkpoint.sources import CheckpointSource, LazyTensor, TensorInfo, map_tensors, split_layout
+from fabric_hsdp.checkpoint import fileio
+from fabric_hsdp.checkpoint.source import CheckpointSource, LazyTensor, TensorInfo, find_model_tensors, map_tensors
+from fabric_hsdp.errors import CheckpointError, unsafe_pickle_error
 
-_logger = logging.getLogger("fabric_hsdp")
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,10 @@ def _first_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def _weights_only_hint(file_name: str, error: BaseException) -> ValueError:
+def refused_pickle(file_name: str, error: BaseException) -> CheckpointError:
+    """The error for a file whose pickle ``torch.load(weights_only=True)`` refused; names what it refused."""
     reason = next((line.strip() for line in str(error).splitlines() if "WeightsUnpickler error" in line), None)
-    return ValueError(
-        f"'{file_name}' holds Python objects that safe loading (weights_only=True) refuses"
-        f"{f' ({reason})' if reason else ''}. If you trust this file, pass weights_only=False (CLI: --unsafe_pickle)."
-    )
+    return unsafe_pickle_error(f"'{file_name}'", reason or _first_line(error))
 
 
 class TorchFileSource(CheckpointSource):
@@ -64,7 +63,7 @@ class TorchFileSource(CheckpointSource):
         self._fd = -1
         self._byteswap = False
         obj = self._load_legacy(weights_only) if legacy else self._load_zip(weights_only)
-        self.model_key, model, extras = split_layout(obj, self._file)
+        self.model_key, model, extras = find_model_tensors(obj, self._file)
         super().__init__(path, format or ("fabric" if self.model_key else "torch"))
         self._legacy = legacy
         if legacy:
@@ -79,17 +78,17 @@ class TorchFileSource(CheckpointSource):
         try:
             reader = torch._C.PyTorchFileReader(self._file)
         except RuntimeError as error:
-            raise ValueError(
+            raise CheckpointError(
                 f"'{self._file}' is a truncated or damaged torch file ({_first_line(error)}). Re-copy or re-save it."
             ) from None
         records = reader.get_all_records()
         if "constants.pkl" in records:
-            raise ValueError(
+            raise CheckpointError(
                 f"'{self._file}' is a TorchScript archive, not a checkpoint: load it with torch.jit.load and"
                 " save its state_dict() with torch.save"
             )
         if "data.pkl" not in records:
-            raise ValueError(f"'{self._file}' is a zip file but not a torch checkpoint (it has no data.pkl)")
+            raise CheckpointError(f"'{self._file}' is a zip file but not a torch checkpoint (it has no data.pkl)")
         if reader.has_record("byteorder"):
             self._byteswap = reader.get_record("byteorder").decode() != sys.byteorder
         # (offset, size) of every storage record, to check the offsets torch reports against the archive itself.
@@ -100,10 +99,10 @@ class TorchFileSource(CheckpointSource):
             obj = torch.load(self._file, map_location="meta", weights_only=weights_only)
         except pickle.UnpicklingError as error:
             if "Weights only load failed" in str(error):
-                raise _weights_only_hint(self._file, error) from None
-            raise ValueError(f"'{self._file}' has a damaged pickle ({_first_line(error)})") from None
+                raise refused_pickle(self._file, error) from None
+            raise CheckpointError(f"'{self._file}' has a damaged pickle ({_first_line(error)})") from None
         except (RuntimeError, EOFError, ValueError, AttributeError, ImportError) as error:
-            raise ValueError(f"'{self._file}' could not be read as a torch file ({_first_line(error)})") from None
+            raise CheckpointError(f"'{self._file}' could not be read as a torch file ({_first_line(error)})") from None
         self._fd = os.open(self._file, os.O_RDONLY)
         return obj
 
@@ -117,16 +116,16 @@ class TorchFileSource(CheckpointSource):
             return torch.load(self._file, map_location="cpu", weights_only=weights_only)
         except pickle.UnpicklingError as error:
             if "Weights only load failed" in str(error):
-                raise _weights_only_hint(self._file, error) from None
-            raise ValueError(f"'{self._file}' is not a readable torch pickle ({_first_line(error)})") from None
+                raise refused_pickle(self._file, error) from None
+            raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({_first_line(error)})") from None
         except (RuntimeError, EOFError, ValueError, AttributeError, ImportError) as error:
-            raise ValueError(f"'{self._file}' is not a readable torch pickle ({_first_line(error)})") from None
+            raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({_first_line(error)})") from None
 
     def _locate(self, name: str, tensor: torch.Tensor) -> _Stored:
         storage = tensor.untyped_storage()
         start = getattr(storage, "_checkpoint_offset", None)
         if start is None or self._records.get(start) != storage.nbytes():
-            raise ValueError(
+            raise CheckpointError(
                 f"'{self._file}': cannot locate the data of tensor {name!r} in the archive (unusual record layout);"
                 " re-save the checkpoint with torch.save"
             )
@@ -149,15 +148,17 @@ class TorchFileSource(CheckpointSource):
 
     def _read_stored(self, stored: _Stored, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._fd < 0:
-            raise ValueError(f"checkpoint '{self._file}' is closed")
+            raise CheckpointError(f"checkpoint '{self._file}' is closed")
         info = stored.info
         if stored.contiguous:
             start = stored.storage_start + stored.storage_offset * info.dtype.itemsize
-            tensor = _io.read_tensor(self._fd, start, info.shape, info.dtype, file_name=self._file, out=out)
+            tensor = fileio.read_tensor(self._fd, start, info.shape, info.dtype, file_name=self._file, out=out)
             if self._byteswap:
                 tensor.untyped_storage().byteswap(info.dtype)
             return tensor
-        raw = _io.read_tensor(self._fd, stored.storage_start, [stored.storage_bytes], torch.uint8, file_name=self._file)
+        raw = fileio.read_tensor(
+            self._fd, stored.storage_start, [stored.storage_bytes], torch.uint8, file_name=self._file
+        )
         if self._byteswap:
             raw.untyped_storage().byteswap(info.dtype)
         strided = raw.view(info.dtype).as_strided(info.shape, stored.stride, stored.storage_offset)
@@ -179,14 +180,14 @@ class TorchFileSource(CheckpointSource):
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         if self._legacy:  # already in memory: copy just the box, not the whole tensor and then the box
-            box = _io.normalize_index(index, self._tensors[name].shape, name)
+            box = fileio.normalize_index(index, self._tensors[name].shape, name)
             return self._tensors[name][tuple(slice(start, stop) for start, stop in box)].clone()
         stored = self._stored.get(name)
         if stored is None or not stored.contiguous or self._byteswap:
             return super()._read_slice(name, index)
         info = stored.info
         start = stored.storage_start + stored.storage_offset * info.dtype.itemsize
-        return _io.read_box(self._fd, start, info.shape, info.dtype, index, name=name, file_name=self._file)
+        return fileio.read_box(self._fd, start, info.shape, info.dtype, index, name=name, file_name=self._file)
 
     def _lazy_extras(self) -> dict[str, Any]:
         return self._extras

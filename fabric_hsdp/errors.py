@@ -1,0 +1,32 @@
+"""The package's exceptions: one base class to catch, and the kinds of failure a user may want to tell apart.
+
+Wrong arguments (a ``shard_size`` that does not divide the world, an unknown ``load_mode``) raise the built-in
+``ValueError``/``TypeError`` like any Python API. Messages start with what they are about, say what was wrong and
+how to fix it, e.g. ``checkpoint 'lit-llama.pth' has no tensor for 'layers.3.mlp.w1.weight' ...``.
+"""
+
+from __future__ import annotations
+
+
+class FabricHSDPError(Exception):
+    """Base class of the errors this package raises for its own reasons (not for wrong arguments)."""
+
+
+class CheckpointError(FabricHSDPError, ValueError):
+    """A checkpoint cannot be read (unknown format, damaged, incomplete) or does not fit what it is loaded into."""
+
+
+class PeerRankError(FabricHSDPError, RuntimeError):
+    """Raised on the ranks that succeeded when another rank failed the same step."""
+
+
+class SaveError(FabricHSDPError, RuntimeError):
+    """Writing a checkpoint failed on some rank; nothing was written at its path."""
+
+
+def unsafe_pickle_error(what: str, reason: str) -> CheckpointError:
+    """The error for pickled content that ``torch.load(weights_only=True)`` refuses; ``what`` names where it is."""
+    return CheckpointError(
+        f"{what} holds Python objects that safe loading (weights_only=True) refuses ({reason}). If you trust this"
+        " checkpoint, pass weights_only=False (CLI: --unsafe_pickle)."
+    )

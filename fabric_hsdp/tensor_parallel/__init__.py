@@ -1,0 +1,171 @@
+"""Tensor parallelism as the third mesh dim: resolve the plan, check it against the model, apply it.
+
+``HybridFSDPStrategy(tensor_parallel_size=T, tensor_parallel_plan=...)`` calls :func:`apply_tensor_parallel` on the
+``tensor`` sub-mesh before activation checkpointing and ``fully_shard`` (torchtitan's order), so parameters end up
+as DTensors on the whole mesh, e.g. ``(Replicate(), _StridedShard(0), Shard(0))`` for a column-wise weight.
+
+A plan is ``"auto"`` (:mod:`fabric_hsdp.tensor_parallel.plans`), a dict of module-name patterns (``*`` matches one
+name part, as in ``parallelize_module``) to a torch ``ParallelStyle``, a transformers style name or
+:class:`FusedColwise`, or a callable ``(model, tensor_mesh) -> None`` that does everything itself (Lightning's
+``parallelize_fn`` style). For the first two, every dim the plan splits is checked before anything changes: the
+module, the dim and its size must divide by ``T``, and so must the model's head counts. DCP writes wrong data for a
+tensor whose split dim does not divide, so this check is what stands between a user and a corrupt checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from fnmatch import fnmatch
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.tensor_parallel.fused_rows import ATTRIBUTE, FusedRows, fused_rows_of
+from fabric_hsdp.tensor_parallel.plans import DICT_FORM, ModelPlan, auto_plan
+from fabric_hsdp.tensor_parallel.styles import FusedColwise, split_dim, to_style
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FusedColwise", "FusedRows", "TensorParallelPlan", "apply_tensor_parallel", "fused_rows_of"]
+
+_logger = logging.getLogger(__name__)
+
+TensorParallelPlan = str | dict[str, Any] | Callable[[nn.Module, Any], Any]
+
+
+def validate_plan(plan: TensorParallelPlan) -> TensorParallelPlan:
+    """Check the form of ``tensor_parallel_plan`` when the strategy is created."""
+    if plan == "auto" or callable(plan):
+        return plan
+    if isinstance(plan, dict) and plan and all(isinstance(key, str) for key in plan):
+        for key, value in plan.items():
+            to_style(value, key)
+        return dict(plan)
+    raise ValueError(f"HybridFSDPStrategy(tensor_parallel_plan={plan!r}) is not valid. Pass 'auto', {DICT_FORM}.")
+
+
+def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
+    """Split ``model``'s layers over ``mesh`` (the 1-D tensor-parallel mesh) per ``plan``, in place.
+
+    Raises:
+        ValueError: a pattern matches no module, a style does not fit its module, or a split dim or head count does
+            not divide by the tensor-parallel size (the message names the module, the dim and its size).
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    size = mesh.size()
+    if callable(plan):
+        plan(model, mesh)
+        return
+    model_plan = auto_plan(model) if plan == "auto" else ModelPlan(styles=plan)
+    assignments = _assign(model, model_plan.styles)
+    _check_heads(model, model_plan.heads, size)
+    for name, module, style in assignments:
+        _check_divisible(name, module, style, size)
+    for name, module, style in assignments:
+        if isinstance(style, FusedColwise):
+            _regroup_rows(module, FusedRows(style.block_sizes(module.weight.shape[0]), size))
+            style = _fused_as_colwise()
+        # each rank splits its own copy (src_data_rank=None), as fully_shard does: no collective here
+        parallelize_module(model, mesh, {name: style}, src_data_rank=None)
+    if model_plan.local_head_counts is not None:
+        model_plan.local_head_counts(model, size)
+    info_on_rank_zero(
+        _logger, "tensor parallel over %d ranks: %d modules split (%s)", size, len(assignments), _summary(assignments)
+    )
+
+
+def _assign(model: nn.Module, styles: dict[str, Any]) -> list[tuple[str, nn.Module, Any]]:
+    """Each module a pattern matches, with its style, in model order; raises for patterns that match nothing."""
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    assigned: dict[str, tuple[nn.Module, Any]] = {}
+    for pattern, value in styles.items():
+        style = to_style(value, pattern)
+        parts = pattern.split(".")
+        matched = [
+            (name, module)
+            for name, module in modules
+            if len(name.split(".")) == len(parts) and all(map(fnmatch, name.split("."), parts))
+        ]
+        if not matched:
+            examples = ", ".join(name for name, _ in modules[:6])
+            raise ValueError(
+                f"tensor_parallel_plan key {pattern!r} matches no module of {type(model).__name__} (its modules are"
+                f" named like {examples}, ...)."
+            )
+        for name, module in matched:
+            assigned[name] = (module, style)
+    order = {name: index for index, (name, _) in enumerate(modules)}
+    return [(name, module, style) for name, (module, style) in sorted(assigned.items(), key=lambda i: order[i[0]])]
+
+
+def _check_heads(model: nn.Module, heads: dict[str, int], size: int) -> None:
+    for what, count in heads.items():
+        if count % size:
+            raise ValueError(
+                f"tensor_parallel_size({size}) does not divide {what}({count}) of {type(model).__name__}: each"
+                " tensor-parallel rank must hold whole attention heads. Choose a tensor_parallel_size that divides"
+                f" {count}: {[d for d in range(1, count + 1) if count % d == 0]}."
+            )
+
+
+def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
+    kind = type(module).__name__
+    if not isinstance(module, nn.Linear | nn.Embedding):
+        if split_dim(style, kind) is None:
+            return  # e.g. SequenceParallel on a norm
+        raise ValueError(
+            f"tensor_parallel_plan gives {name} ({kind}) the style {type(style).__name__}, which splits only"
+            " nn.Linear and nn.Embedding layers. Pass a callable tensor_parallel_plan for other modules."
+        )
+    dim = split_dim(style, kind)
+    if dim is None:
+        return
+    index, what = dim
+    extent = module.weight.shape[index]
+    if isinstance(style, FusedColwise):
+        blocks = style.block_sizes(extent)
+        units = style.block_units or blocks
+        names = style.block_names or tuple(f"block {i}" for i in range(len(blocks)))
+        for block_name, unit_count in zip(names, units):
+            if unit_count % size:
+                raise ValueError(
+                    f"tensor_parallel_size({size}) does not divide the {unit_count} {block_name} of {name}'s fused"
+                    f" {what} ({extent} = {' + '.join(map(str, blocks))}). Choose a tensor_parallel_size that divides"
+                    f" every block's count: {[d for d in range(1, min(units) + 1) if all(u % d == 0 for u in units)]}."
+                )
+        return
+    if extent % size:
+        raise ValueError(
+            f"tensor_parallel_size({size}) does not divide {name}.{what}({extent}) ({kind}, split by"
+            f" {type(style).__name__}). Choose a tensor_parallel_size that divides {extent}, or leave {name} out of"
+            " the plan."
+        )
+
+
+def _regroup_rows(module: nn.Linear, fused: FusedRows) -> None:
+    """Reorder the rows of ``module``'s weight (and bias) by tensor-parallel rank, and mark the module."""
+    order = fused.module_order()
+    with torch.no_grad():
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            regrouped = nn.Parameter(param.index_select(0, order.to(param.device)), requires_grad=param.requires_grad)
+            module.register_parameter(param_name, regrouped)
+    setattr(module, ATTRIBUTE, fused)
+
+
+def _fused_as_colwise() -> Any:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return ColwiseParallel()
+
+
+def _summary(assignments: list[tuple[str, nn.Module, Any]]) -> str:
+    counts: dict[str, int] = {}
+    for _, _, style in assignments:
+        label = type(style).__name__
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{count} {label}" for label, count in counts.items())

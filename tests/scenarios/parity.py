@@ -1,0 +1,225 @@
+"""Training parity with one process, judged against the floating-point noise measured in the same run.
+
+A sharded run and a single process on the full batch compute the same mathematics in a different summation order, so
+they differ by rounding. How much depends on the machine (which kernels, which vector width) and is amplified by
+AdamW: an element whose gradient is near zero gets an update of order ``lr`` from rounding alone. Instead of a fixed
+threshold, every run also trains the single-process model a second way that is mathematically identical -- the same
+rows as accumulated micro-batches, in the order the ranks hold them and in reverse -- and reports the larger distance
+from the full-batch run: the noise floor of this machine for this model. The test compares the sharded run's distance
+with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
+
+LEARNING_RATE = 1e-2
+MAX_NORM = 0.5
+CLIP_VALUE = 0.01
+MICRO_BATCH = 2
+BUGS = ("no_replicate_allreduce", "wrong_sampler", "skip_sync_flush")
+
+
+@dataclass
+class Trained:
+    losses: list[float]
+    norms: list[float]
+    state: dict[str, torch.Tensor]
+    batches: list = field(default_factory=list)  # the inputs of each micro-batch this rank trained on
+
+
+def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits_of(model, inputs).flatten(0, 1), targets.flatten())
+
+
+def _clip(model: torch.nn.Module, clip: str | None) -> float | None:
+    if clip == "norm":
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=MAX_NORM).item()
+    if clip == "value":
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=CLIP_VALUE)
+    return None
+
+
+def train_one_process(
+    kind: str, inputs: torch.Tensor, targets: torch.Tensor, steps: int, clip: str | None, micro_batches: Any = None
+) -> Trained:
+    """One process, fp32. ``micro_batches`` (lists of rows): accumulate those; else the full batch in one go."""
+    model = build(kind, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses, norms = [], []
+    for _ in range(steps):
+        if micro_batches is None:
+            loss = _loss(model, inputs, targets)
+            loss.backward()
+            step_loss = loss.item()
+        else:
+            step_loss = 0.0
+            for rows in micro_batches:
+                loss = _loss(model, inputs[rows], targets[rows]) / len(micro_batches)
+                loss.backward()
+                step_loss += loss.item()
+        norm = _clip(model, clip)
+        if norm is not None:
+            norms.append(norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return Trained(losses, norms, {name: t.detach().clone() for name, t in model.state_dict().items()})
+
+
+def sampler_rows(num_rows: int, num_replicas: int, rank: int) -> list[int]:
+    """The rows ``DistributedSampler(shuffle=False)`` gives ``rank``."""
+    return list(DistributedSampler(range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=False))
+
+
+@contextmanager
+def _planted(bug: str | None) -> Iterator[None]:
+    """``no_replicate_allreduce``: ``fully_shard`` gets only the ``shard`` dim of the mesh, so replicas never sync."""
+    if bug != "no_replicate_allreduce":
+        yield
+        return
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+
+    def shard_only(module: torch.nn.Module, *, mesh: Any, **kwargs: Any) -> Any:
+        return original(module, mesh=mesh["shard"], **kwargs)
+
+    fsdp.fully_shard = shard_only
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = original
+
+
+def _train_sharded(
+    fabric: Any,
+    kind: str,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    steps: int,
+    accumulate: int,
+    clip: str | None,
+    setup_together: bool,
+    bug: str | None,
+) -> Trained:
+    model = build(kind, seed=0)
+    with _planted(bug):
+        if setup_together:
+            model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+        else:
+            model = fabric.setup_module(model)
+            optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    dataset = TensorDataset(inputs, targets)
+    if bug == "wrong_sampler":  # every replica reads the first replica's rows instead of its own
+        shard_size = fabric.strategy.topology.shard_size
+        world = fabric.world_size
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=fabric.global_rank % shard_size, shuffle=False)
+        loader = fabric.setup_dataloaders(
+            DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler), use_distributed_sampler=False
+        )
+    else:  # Fabric inserts a DistributedSampler with the strategy's distributed_sampler_kwargs
+        loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False))
+    losses, norms, seen = [], [], []
+    for _ in range(steps):
+        micro_batches = list(loader)
+        assert len(micro_batches) == accumulate, (len(micro_batches), accumulate)
+        seen.append([rows.tolist() for rows, _ in micro_batches])
+        step_loss = torch.zeros(())
+        for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):
+            last = micro == accumulate - 1
+            with fabric.no_backward_sync(model, enabled=bug == "skip_sync_flush" or not last):
+                loss = _loss(model, micro_inputs, micro_targets)
+                fabric.backward(loss / accumulate)
+            step_loss += loss.detach() / accumulate
+        if clip == "norm":
+            norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
+        elif clip == "value":
+            fabric.clip_gradients(model, optimizer, clip_val=CLIP_VALUE)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
+    return Trained(losses, norms, full_state(model), seen)
+
+
+def _relative(values: list[float], reference: list[float]) -> float:
+    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(values, reference, strict=True)), default=0.0)
+
+
+def distance(trained: Trained, reference: Trained) -> dict[str, float]:
+    """Largest relative difference of losses, clip norms, and parameters (per tensor: ``|a - b| / |b|``)."""
+    parameters = max(
+        ((trained.state[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        for name, ref in reference.state.items()
+        if ref.is_floating_point()
+    )
+    return {
+        "losses": _relative(trained.losses, reference.losses),
+        "norms": _relative(trained.norms, reference.norms),
+        "parameters": parameters,
+    }
+
+
+def parity(
+    num_nodes: int,
+    devices: int,
+    kind: str = "llama",
+    steps: int = 3,
+    accumulate: int = 1,
+    clip: str | None = None,
+    activation_checkpointing: bool = False,
+    setup_together: bool = False,
+    bugs: list[str] = (),
+    kinds: list[str] | None = None,
+    **strategy_kwargs: Any,
+) -> dict[str, Any]:
+    """Train sharded (and, for ``bugs``, with each bug planted); return distances to one process and the noise floor.
+
+    ``kinds``: several models, one after the other in this launch (the result is then keyed by kind).
+    ``strategy_kwargs``: passed to the strategy, e.g. ``tensor_parallel_size=2``.
+    """
+    layers = {layer_class(name) for name in kinds or [kind]}
+    if activation_checkpointing:
+        strategy_kwargs["activation_checkpointing"] = layers
+    options = dict(steps=steps, accumulate=accumulate, clip=clip, setup_together=setup_together, bugs=bugs)
+    if kinds is not None:  # the strategy's default sharded_modules: the layers of the models' nn.ModuleLists
+        fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
+        return {name: _parity(fabric, name, **options) for name in kinds}
+    fabric = make_fabric(num_nodes, devices, sharded_modules=layers, **strategy_kwargs)
+    return _parity(fabric, kind, **options)
+
+
+def _parity(
+    fabric: Any, kind: str, steps: int, accumulate: int, clip: str | None, setup_together: bool, bugs: list[str]
+) -> dict[str, Any]:
+    sampler = fabric.strategy.distributed_sampler_kwargs
+    num_rows = MICRO_BATCH * accumulate * sampler["num_replicas"]
+    inputs, targets = batch(num_rows)
+    full_batch = train_one_process(kind, inputs, targets, steps, clip)
+    # the same rows as accumulated micro-batches, in the order the data-parallel ranks hold them
+    micro_batches = [
+        rows[start : start + MICRO_BATCH]
+        for rank in range(sampler["num_replicas"])
+        for rows in [sampler_rows(num_rows, sampler["num_replicas"], rank)]
+        for start in range(0, len(rows), MICRO_BATCH)
+    ]
+    accumulated = train_one_process(kind, inputs, targets, steps, clip, micro_batches)
+    reversed_order = train_one_process(kind, inputs, targets, steps, clip, micro_batches[::-1])
+    floors = [distance(accumulated, full_batch), distance(reversed_order, full_batch)]
+    options = (kind, inputs, targets, steps, accumulate, clip, setup_together)
+    ours = _train_sharded(fabric, *options, bug=None)
+    return {
+        "floor": {what: max(floor[what] for floor in floors) for what in floors[0]},
+        "ours": distance(ours, full_batch),
+        "bugs": {bug: distance(_train_sharded(fabric, *options, bug=bug), full_batch) for bug in bugs},
+        "sampler": sampler,
+        "batches": ours.batches,
+    }

@@ -1,0 +1,95 @@
+"""Tensor parallelism as the third mesh dim: 1 node x 4 ranks (1, 2, 2) and 2 simulated nodes x 2 ranks (2, 1, 2)."""
+
+import re
+
+import pytest
+import torch
+
+from tests.helpers.launch import launch
+from tests.test_strategy import within_noise
+
+KINDS = ["llama", "hf", "litgpt"]  # the example LLaMA, transformers' Llama and litgpt's GPT, both with GQA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "mesh"), [(1, 4, (1, 2, 2)), (2, 2, (2, 1, 2))], ids=["1x4-mesh122", "2x2-mesh212"]
+)
+def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node, mesh):
+    options = {"kinds": KINDS, "accumulate": 2, "clip": "norm", "activation_checkpointing": True}
+    values = (
+        launch(
+            "tests.scenarios.parity:parity",
+            dict(options, tensor_parallel_size=2),
+            num_nodes=nodes,
+            ranks_per_node=per_node,
+            timeout=400,
+        )
+        .check()
+        .values
+    )
+    data_parallel = 2
+    for kind in KINDS:
+        facts = values[0][kind]
+        assert not within_noise(facts["ours"], facts["floor"]), (kind, facts["ours"], facts["floor"])
+        # tensor-parallel peers (consecutive ranks) got the same micro-batches, data-parallel ranks different ones
+        samplers = [v[kind]["sampler"] for v in values]
+        assert samplers == [{"num_replicas": data_parallel, "rank": rank // 2} for rank in range(4)]
+        batches = [v[kind]["batches"] for v in values]
+        assert batches[0] == batches[1] and batches[2] == batches[3], kind
+        assert batches[0] != batches[2], kind
+
+
+@pytest.mark.slow
+def test_init_under_tensor_parallelism():
+    """Per-rank seeds: every part of a copy differs, replicated values are equal along their dims; logits exact."""
+    values = launch("tests.scenarios.core:tensor_parallel_init", num_nodes=1, ranks_per_node=4).check().values
+    for kind, facts in values[0].items():
+        assert facts["mesh_shape"] == (1, 2, 2) and facts["mesh_dim_names"] == ("replicate", "shard", "tensor")
+        assert facts["coordinates"] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+        for name, pieces in facts["gathered"].items():
+            dims = facts["replicated_dims"][name]
+            placements = facts["placements"][name]
+            if len(placements) == 2:  # norms, left whole by tensor parallelism: FSDP-only, replicated over "tensor"
+                assert placements == ("R", "S(0)") and dims == ["replicate", "tensor"], name
+                assert torch.equal(pieces[0], pieces[1]) and torch.equal(pieces[2], pieces[3]), name
+            else:  # split by tensor parallelism and FSDP: four different slices
+                assert len(placements) == 3 and dims == ["replicate"], (name, placements, dims)
+                assert all(not torch.equal(pieces[i], pieces[j]) for i in range(4) for j in range(i)), name
+        assert facts["norms_are_ones"] and all(facts["norms_are_ones"].values())
+        assert all(facts["buffers_equal"].values()), facts["buffers_equal"]
+        # not bit-exact: row-wise layers sum partial products over the tensor-parallel ranks in another order; a
+        # misplaced slice would be off by the size of the logits (~1)
+        assert facts["max_logit_diff"] < 1e-5, kind
+    assert values[0]["litgpt"]["fused"] == [f"transformer.h.{i}.attn.qkv.weight" for i in range(2)]
+    placements = values[0]["litgpt"]["placements"]
+    assert placements["transformer.h.0.attn.qkv.weight"] == ("R", "_S(0, 2)", "S(0)")
+    assert placements["transformer.h.0.attn.proj.weight"] == ("R", "S(0)", "S(1)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"tensor_parallel_size": 3},
+            "tensor_parallel_size(3) does not divide ranks_per_node(2): tensor parallelism exchanges activations in"
+            " every layer and must stay inside a node. Choose a divisor of ranks_per_node: [1, 2].",
+        ),
+        (
+            {"tensor_parallel_size": 2, "heads": 3},
+            "ValueError: tensor_parallel_size(2) does not divide config.num_attention_heads(3) of LlamaForCausalLM:"
+            " each tensor-parallel rank must hold whole attention heads. Choose a tensor_parallel_size that divides 3:"
+            " [1, 3].",
+        ),
+    ],
+    ids=["size-crosses-nodes", "three-heads-over-two"],
+)
+def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
+    result = launch("tests.scenarios.core:bad_tensor_parallel", args, timeout=120, fail_grace=90)
+    assert not result.timed_out
+    assert result.returncodes == [1, 1, 1, 1]
+    for rank in result.ranks:
+        assert message in rank.stderr, rank.stderr[-2000:]
+        ended = re.search(r"setup ended after ([\d.]+)s", rank.stdout)
+        assert ended is None or float(ended.group(1)) < 10, rank.stdout
