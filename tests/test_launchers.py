@@ -270,6 +270,7 @@ def test_a_batch_script_without_srun_is_stopped_unless_the_job_has_one_task():
     check_launch(detect_launcher(one_task), _SlurmWorld(1), num_nodes=1, ranks_per_node=1, local_rank=0)
 
 
+@pytest.mark.filterwarnings("ignore:The `srun` command is available")  # SLURMEnvironment() outside srun
 def test_the_start_up_line_says_which_launcher_and_why():
     mpi = describe_launch(detect_launcher(MPI_RANK_ON_SECOND_NODE), LightningEnvironment(), MPI_RANK_ON_SECOND_NODE)
     assert mpi == (

@@ -99,7 +99,7 @@ def check_ranks(
     hosts = [{report["hostname"] for report in reports if report["node_rank"] == node} for node in (0, 1)]
     assert all(len(names) == 1 for names in hosts) and hosts[0] | hosts[1] == set(NODES), context
     # the strategy's start-up line, on global rank 0 only
-    start_up = rf"HybridFSDPStrategy: launched by {launcher}\b.*: cluster environment {environment}"
+    start_up = rf"fabric_hsdp: launched by {launcher}\b.*: cluster environment {environment}"
     assert len(re.findall(start_up, log)) == 1, log[-6000:]
 
 
