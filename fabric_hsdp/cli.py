@@ -30,7 +30,10 @@ def build_parser() -> Any:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
-        prog="fabric-hsdp", description="Convert and inspect checkpoints for fabric-hsdp.", exit_on_error=False
+        prog="fabric-hsdp",
+        description="Convert and inspect checkpoints for fabric-hsdp. `fabric-hsdp run [fabric run's options] SCRIPT`"
+        " launches a script like Lightning's `fabric run`, with --strategy hsdp (see `fabric-hsdp run --help`).",
+        exit_on_error=False,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -140,9 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fabric-hsdp``; returns the exit code."""
     from jsonargparse import ArgumentError
 
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["run"]:  # `fabric run`'s options: Lightning's own parser reads them
+        from fabric_hsdp.run import main as run_main
+
+        return run_main(arguments[1:])
     parser = build_parser()
     try:
-        config = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        config = parser.parse_args(arguments)
     except ArgumentError as error:
         print(f"fabric-hsdp: error: {_one_line(error)} (see fabric-hsdp --help)", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -36,6 +36,7 @@ from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
 from fabric_hsdp.gradients import clip_grad_norm
+from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.sharding import (
@@ -121,7 +122,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
-            normally fills these in.
+            normally fills these in. Without a ``cluster_environment``, one for the launcher that started this process
+            is chosen where Lightning's order would pick another (``mpirun`` inside SLURM: ``MPIEnvironment``).
 
     Mixed precision follows ``Fabric(precision=...)``: ``"bf16-mixed"`` computes with bf16 parameters and reduces
     gradients in fp32 over fp32 master shards; ``"16-mixed"`` likewise with fp16; ``"bf16-true"``/``"16-true"`` build
@@ -149,10 +151,11 @@ class HybridFSDPStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
     ) -> None:
+        self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
+            cluster_environment=cluster_environment or environment_for(self._launched_by),
             precision=precision,
         )
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
@@ -245,15 +248,10 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.parallel_devices is not None and self.local_rank >= len(self.parallel_devices):
-            raise ValueError(
-                f"this process has LOCAL_RANK={self.local_rank}, but Fabric(devices={len(self.parallel_devices)}) knows"
-                f" only {len(self.parallel_devices)} device(s) per node. Pass devices= equal to the processes the"
-                " launcher starts per node (torchrun --nproc-per-node, srun --ntasks-per-node, fabric run --devices)."
-            )
-        super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         if self.cluster_environment is None:
             raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
+        check_launch(self._launched_by, self.cluster_environment, self.num_nodes, self.num_processes, self.local_rank)
+        super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         self._process_group_backend = distributed.init_process_group(
             self.cluster_environment,
             node_rank=self.node_rank,
@@ -270,6 +268,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._mesh = self._topology.build_mesh(self.root_device.type)
         self._background.set_up(self._timeout)
         atexit.register(self._end_of_process)
+        info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
         info_on_rank_zero(_logger, "%s", self._topology.describe())
 
     @override
