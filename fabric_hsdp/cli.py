@@ -30,7 +30,7 @@ def build_parser() -> Any:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
-        prog="fabric-hsdp", description="Convert and inspect checkpoints for fabric-hsdp.", exit_on_error=False
+        prog="fabric-hsdp", description="Checkpoints and layouts for fabric-hsdp.", exit_on_error=False
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -71,6 +71,10 @@ def build_parser() -> Any:
     inspect.add_argument("--unsafe_pickle", action="store_true", help="unpickle without weights_only (trusted only)")
     inspect.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     subcommands.add_subcommand("inspect", inspect, help="show format, tensor count, sizes, dtypes and first keys")
+
+    from fabric_hsdp.planning.command import plan_parser
+
+    subcommands.add_subcommand("plan", plan_parser(), help="which shard_size fits a model; memory and traffic")
     return parser
 
 
@@ -114,6 +118,10 @@ def _one_line(error: BaseException) -> str:
 
 
 def _run(command: str, args: Any) -> None:
+    if command == "plan":
+        from fabric_hsdp.planning.command import run_plan
+
+        return run_plan(args)
     from fabric_hsdp.checkpoint.convert import convert_checkpoint, inspect_checkpoint
 
     if command == "convert":
