@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +112,14 @@ def test_plan_imports_neither_lightning_nor_the_strategy():
     assert code == 0
     assert [name for name in modules if name == "lightning" or name.startswith("lightning.")] == []
     assert "fabric_hsdp.strategy" not in modules and "fabric_hsdp.planning.plan" in modules
+
+
+def test_worked_examples_in_the_docs_are_the_tools_output(capsys, monkeypatch):
+    repository = EXAMPLES.parents[1]
+    monkeypatch.chdir(repository)
+    text = (repository / "docs" / "concepts.md").read_text()
+    blocks = re.findall(r"```\n\$ fabric-hsdp (plan [^\n]*)\n(.*?)\n```", text, re.S)
+    assert len(blocks) == 3
+    for command, shown in blocks:
+        _, out, err = run(capsys, *shlex.split(command))
+        assert (out + err).rstrip("\n") == shown, command
