@@ -200,12 +200,13 @@ def planner_bytes(mode: str, config: Any, reshard: bool | None, batch_size: int,
     import torch
 
     from examples.tiny_llama import Llama
-    from fabric_hsdp.planning import Layout, Training, Workload, model_shape_of_module, traffic_per_step
+    from fabric_hsdp.planning import Training, Workload, model_shape_of_module, traffic_per_step
+    from fabric_hsdp.topology import Topology
 
     with torch.device("meta"):
         shape = model_shape_of_module(Llama(config))
     training = Training("32-true", Workload(batch_size, seq_len), reshard_after_forward=reshard)
-    layout = Layout(NUM_NODES, RANKS_PER_NODE, shard_size=RANKS_PER_NODE if mode == "hsdp" else WORLD_SIZE)
+    layout = Topology(NUM_NODES, RANKS_PER_NODE, shard_size=RANKS_PER_NODE if mode == "hsdp" else WORLD_SIZE)
     return traffic_per_step(shape, training, layout, backend="gloo").inter_node_total
 
 

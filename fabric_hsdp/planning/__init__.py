@@ -4,7 +4,7 @@
 through :func:`make_plan`, so they agree. The formulas are in docs/concepts.md.
 """
 
-from fabric_hsdp.planning.layout import Layout, candidate_layouts
+from fabric_hsdp.planning.layout import candidate_layouts
 from fabric_hsdp.planning.memory import Memory, Training, Workload, activation_bytes, memory_per_device
 from fabric_hsdp.planning.model import ModelShape, model_shape, model_shape_of_module
 from fabric_hsdp.planning.plan import Cluster, LayoutPlan, NoLayoutFitsError, Plan, choose_layout, make_plan
@@ -14,7 +14,6 @@ from fabric_hsdp.planning.traffic import Traffic, traffic_per_step
 
 __all__ = [
     "Cluster",
-    "Layout",
     "LayoutPlan",
     "Memory",
     "ModelShape",

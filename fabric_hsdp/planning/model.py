@@ -5,9 +5,11 @@ from a config (built on the meta device by transformers or litgpt), or from a ch
 the strategy's default: every layer of an ``nn.ModuleList`` is one unit (the name's first numbered component, e.g.
 ``model.layers.3``), everything else belongs to the root unit.
 
-Tensor parallelism follows the Megatron plan that torchtitan applies to Llama-family models: the attention and MLP
-input projections are split by output rows (column-wise), their output projections by input columns (row-wise), the
-token embedding and the output head by vocabulary rows; norms (and row-wise biases) are replicated.
+Tensor parallelism: for a model object, the split dims come from the plan the strategy would apply
+(:mod:`~fabric_hsdp.planning.tensor_plan`). For shapes without a model (a checkpoint), they are guessed by name
+after the Megatron plan: the attention and MLP input projections split by output rows (column-wise), their output
+projections by input columns (row-wise), the token embedding and the output head by vocabulary rows; norms (and
+row-wise biases) replicated.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class ModelShape:
     description: str
     parameters: tuple[ParameterShape, ...]
     dims: TransformerDims
+    # head counts tensor parallelism must divide (its plan's, else the config's), and where the split dims came from
+    tensor_parallel_heads: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    tensor_parallel_source: str = "guessed from parameter names"
     # what the planner derives from the shapes, per layout (many layouts share them; layers repeat)
     cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
@@ -110,12 +115,9 @@ class ModelShape:
         """Why the model cannot be split ``tensor_parallel_size`` ways (None if it can)."""
         if tensor_parallel_size == 1:
             return None
-        for what, size in (
-            ("num_attention_heads", self.dims.num_heads),
-            ("num_key_value_heads", self.dims.num_kv_heads),
-        ):
-            if size is not None and size % tensor_parallel_size:
-                return f"tensor_parallel_size({tensor_parallel_size}) does not divide {what}({size})"
+        for what, count in self.tensor_parallel_heads.items():
+            if count % tensor_parallel_size:
+                return f"tensor_parallel_size({tensor_parallel_size}) does not divide {what}({count})"
         for parameter in self.parameters:
             dim = parameter.tensor_parallel_dim
             if dim is not None and parameter.shape[dim] % tensor_parallel_size:
@@ -143,22 +145,25 @@ def model_shape(
     named_shapes: Iterable[tuple[str, Iterable[int]]],
     description: str,
     config: Any = None,
+    tensor_parallel_plan: tuple[dict[str, int | None], dict[str, int]] | None = None,
 ) -> ModelShape:
-    """Describe a model from its parameters' names and shapes, and optionally its config.
+    """Describe a model from its parameters' names and shapes, and optionally its config and tensor-parallel plan.
 
     Args:
         named_shapes: ``(name, shape)`` of every parameter (no buffers).
         description: What the model is and where it came from, for messages.
         config: An object or mapping with transformers', litgpt's or the examples' attribute names
             (``hidden_size``/``n_embd``/``dim``, ...). Dims it lacks are inferred from the shapes.
+        tensor_parallel_plan: ``(split dim per parameter name, head counts)`` from the plan the strategy would apply
+            (``tensor_plan.plan_split_dims``); None: guess the split dims by name, take the heads from the dims.
     """
+    split_dims, plan_heads = tensor_parallel_plan if tensor_parallel_plan is not None else ({}, None)
     parameters = []
     for name, shape in named_shapes:
         shape = tuple(int(size) for size in shape)
         match = _UNIT.match(name)
-        parameters.append(
-            ParameterShape(name, shape, match.group(1) if match else "", tensor_parallel_dim(name, len(shape)))
-        )
+        split = split_dims.get(name) if tensor_parallel_plan is not None else tensor_parallel_dim(name, len(shape))
+        parameters.append(ParameterShape(name, shape, match.group(1) if match else "", split))
     if not parameters:
         raise ValueError(f"{description} has no parameters to plan for.")
     inferred = _infer_dims(parameters)
@@ -168,13 +173,26 @@ def model_shape(
         dims = replace(dims, head_dim=dims.hidden_size // dims.num_heads)
     if dims.num_kv_heads is None and dims.num_heads:
         dims = replace(dims, num_kv_heads=dims.num_heads)
-    return ModelShape(description, tuple(parameters), dims)
+    if plan_heads is not None:
+        return ModelShape(description, tuple(parameters), dims, plan_heads, "the model's tensor-parallel plan")
+    heads = {"num_attention_heads": dims.num_heads, "num_key_value_heads": dims.num_kv_heads}
+    return ModelShape(description, tuple(parameters), dims, {k: v for k, v in heads.items() if v})
 
 
-def model_shape_of_module(module: Any, description: str | None = None) -> ModelShape:
-    """Describe an ``nn.Module`` (real or on the meta device) from its parameters and its ``config`` attribute."""
+def model_shape_of_module(
+    module: Any, description: str | None = None, tensor_parallel_plan: Any = "auto"
+) -> ModelShape:
+    """Describe an ``nn.Module`` (real or on the meta device) from its parameters and its ``config`` attribute.
+
+    Args:
+        tensor_parallel_plan: The strategy's ``tensor_parallel_plan`` (``"auto"``, a dict, or a callable); the split
+            dims come from it when it is not a callable and ``"auto"`` knows the model, else from the names.
+    """
+    from fabric_hsdp.planning.tensor_plan import plan_split_dims
+
     named = [(name, tuple(parameter.shape)) for name, parameter in module.named_parameters()]
-    return model_shape(named, description or type(module).__name__, getattr(module, "config", None))
+    plan = plan_split_dims(module, tensor_parallel_plan)
+    return model_shape(named, description or type(module).__name__, getattr(module, "config", None), plan)
 
 
 def _config_dims(config: Any) -> dict[str, int]:

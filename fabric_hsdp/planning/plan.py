@@ -11,11 +11,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from fabric_hsdp.planning.layout import Layout, candidate_layouts
+from fabric_hsdp.planning.layout import candidate_layouts, describe
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
 from fabric_hsdp.planning.traffic import Traffic, traffic_per_step
 from fabric_hsdp.planning.units import format_bytes, parse_bandwidth, parse_bytes
+from fabric_hsdp.topology import Topology
 
 DEFAULT_SAFETY_MARGIN = 0.1
 _SAME_TRAFFIC = 0.02
@@ -52,7 +53,7 @@ class Cluster:
 class LayoutPlan:
     """One row of the plan."""
 
-    layout: Layout
+    layout: Topology
     memory: Memory
     traffic: Traffic
     fits: bool
@@ -70,7 +71,7 @@ class Plan:
     training: Training
     safety_margin: float
     rows: list[LayoutPlan]
-    skipped: list[tuple[Layout, str]] = field(default_factory=list)
+    skipped: list[tuple[Topology, str]] = field(default_factory=list)
     recommended: LayoutPlan | None = None
     reason: str = ""
 
@@ -150,7 +151,7 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
     sizes = None if tensor_parallel_size is None else [tensor_parallel_size]
     cluster, training = plan.cluster, plan.training
     if not plan.rows:
-        reasons = "; ".join(f"{layout.describe()}: {why}" for layout, why in plan.skipped) or "none"
+        reasons = "; ".join(f"{describe(layout)}: {why}" for layout, why in plan.skipped) or "none"
         return NoLayoutFitsError(f"no layout of {plan.model.description} is valid here ({reasons}).", plan, [])
     smallest = min(plan.rows, key=lambda row: row.memory.total)
     options = _more_nodes(plan, sizes)
@@ -167,7 +168,7 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
         f"no layout fits {format_bytes(plan.usable_memory)} per device ({format_bytes(cluster.device_memory)} less a"
         f" {plan.safety_margin:.0%} safety margin) for {plan.model.description} with {training.precision},"
         f" {training.workload.optimizer}: the smallest total is {format_bytes(memory.total)} per device with"
-        f" {smallest.layout.describe()} (parameters {format_bytes(memory.parameters)}, gradients"
+        f" {describe(smallest.layout)} (parameters {format_bytes(memory.parameters)}, gradients"
         f" {format_bytes(memory.gradients)}, optimizer {format_bytes(memory.optimizer)}, gathered"
         f" {format_bytes(memory.gathered)}, activations ~{format_bytes(memory.activations)})."
     )
@@ -214,7 +215,7 @@ def _more_nodes(plan: Plan, sizes: list[int] | None) -> list[str]:
 
 def _fit_summary(row: LayoutPlan) -> str:
     host = f", {format_bytes(row.memory.host)} CPU memory per device" if row.memory.host else ""
-    return f"{row.layout.describe()}: {format_bytes(row.memory.total)} per device{host}"
+    return f"{describe(row.layout)}: {format_bytes(row.memory.total)} per device{host}"
 
 
 def _recommend(rows: list[LayoutPlan]) -> LayoutPlan | None:
@@ -245,7 +246,7 @@ def _reason(plan: Plan, row: LayoutPlan) -> str:
     if layout.tensor_parallel_size > 1:
         why += f"; tensor_parallel_size={layout.tensor_parallel_size}: no layout with less tensor parallelism fits"
         why += "" if layout.num_nodes == 1 else " with as little inter-node traffic"
-    return f"{layout.describe()} {fits} {why}" if layout.num_nodes > 1 else f"{layout.describe()} {fits}: {why}"
+    return f"{describe(layout)} {fits} {why}" if layout.num_nodes > 1 else f"{describe(layout)} {fits}: {why}"
 
 
 def _seconds(count: float, bandwidth: float | str | None) -> float | None:

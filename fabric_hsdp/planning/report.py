@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fabric_hsdp.planning.layout import describe
 from fabric_hsdp.planning.plan import LayoutPlan, Plan
 from fabric_hsdp.planning.units import format_bytes, format_seconds
 
@@ -71,7 +72,7 @@ def plan_table(plan: Plan) -> str:
             f" state per device in CPU memory ({format_bytes(host * cluster.devices_per_node)} per node)"
         )
     for layout, reason in plan.skipped:
-        lines.append(f"skipped: {layout.describe()}: {reason}")
+        lines.append(f"skipped: {describe(layout)}: {reason}")
     lines.append(ACTIVATIONS_NOTE)
     lines.append(
         "  inter-node/step: bytes the busiest node sends to other nodes; intra-node/step: bytes the busiest device"

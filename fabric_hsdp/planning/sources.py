@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fabric_hsdp.planning.model import ModelShape, model_shape, model_shape_of_module
+from fabric_hsdp.planning.model import ModelShape, model_shape, model_shape_of_module, tensor_parallel_dim
 
 _BUILT_IN_TYPES = ("llama", "mistral", "qwen2")
 # defaults of transformers' config classes for the keys the built-in reader uses
@@ -70,7 +70,7 @@ def _from_transformers_config(config_file: Path) -> ModelShape:
         return _built_with_transformers(config_file)
     if model_type in _BUILT_IN_TYPES:
         names = list(_llama_family_shapes(config))
-        return model_shape(names, f"{model_type} from {config_file}", config)
+        return model_shape(names, f"{model_type} from {config_file}", config, _llama_family_plan(names, config))
     weights = config_file.parent
     tried = [f"transformers (not installed; needed for model_type '{model_type}')"]
     tried.append(f"the built-in reader (only {', '.join(_BUILT_IN_TYPES)})")
@@ -200,6 +200,18 @@ def _llama_family_shapes(config: dict[str, Any]) -> Iterator[tuple[str, tuple[in
     yield "model.norm.weight", (hidden,)
     if not config.get("tie_word_embeddings", _TIED_DEFAULT[model_type]):
         yield "lm_head.weight", (vocab, hidden)
+
+
+def _llama_family_plan(
+    names: list[tuple[str, tuple[int, ...]]], config: dict[str, Any]
+) -> tuple[dict[str, int | None], dict[str, int]]:
+    """What transformers' tp plan for these models splits: the attention and MLP projections, the output head (not
+    the embedding), and the head counts that must divide."""
+    split = {name: tensor_parallel_dim(name, len(shape)) for name, shape in names}
+    split["model.embed_tokens.weight"] = None
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    return split, {"config.num_attention_heads": heads, "config.num_key_value_heads": kv_heads}
 
 
 def _installed(module: str) -> bool:

@@ -14,7 +14,8 @@ Per step (one micro-batch), for a layout with FSDP degree ``S``, ``R`` replicas 
 * Tensor parallelism (``tensor`` groups, always inside a node): per layer two all-reduces of the activations
   (``tokens x hidden``) in forward and two in backward (two more when activation checkpointing recomputes the
   forward), one for the vocabulary-parallel embedding in forward and one for the output head in backward, and an
-  all-gather of the logits (``tokens x vocab``).
+  all-gather of the logits (``tokens x vocab``). The last three whatever the plan says about the embedding and the
+  head (transformers' Llama plan leaves the embedding whole): an upper bound, small next to the per-layer ones.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fabric_hsdp.planning.layout import Layout
+from fabric_hsdp.planning.layout import rank_groups
 from fabric_hsdp.planning.memory import Training, unit_sizes
 from fabric_hsdp.planning.model import ModelShape
+from fabric_hsdp.topology import Topology
 
 BACKENDS = ("nccl", "gloo")
 
@@ -40,7 +42,7 @@ class Traffic:
     by_dim: dict[str, float]  # inter-node bytes of the busiest node, per mesh dim
 
 
-def traffic_per_step(model: ModelShape, training: Training, layout: Layout, backend: str = "nccl") -> Traffic:
+def traffic_per_step(model: ModelShape, training: Training, layout: Topology, backend: str = "nccl") -> Traffic:
     """Bytes over the links in one step of ``layout`` (see the module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
@@ -63,7 +65,7 @@ def traffic_per_step(model: ModelShape, training: Training, layout: Layout, back
     for dim, edge_bytes in per_edge.items():
         if edge_bytes == 0:
             continue
-        for group in layout.groups(dim):
+        for group in rank_groups(layout, dim):
             _count_ring(group, edge_bytes, layout.ranks_per_node, inter[dim], intra)
     per_node: dict[int, float] = defaultdict(float)
     for counts in inter.values():

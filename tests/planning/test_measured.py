@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from examples.tiny_llama import Llama, LlamaConfig
-from fabric_hsdp.planning import Layout, Training, Workload, memory_per_device, model_shape_of_module
+from fabric_hsdp.planning import Training, Workload, memory_per_device, model_shape_of_module
+from fabric_hsdp.topology import Topology
 from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.slow
@@ -38,6 +39,9 @@ def test_predicted_shard_bytes_and_peak_memory_match_the_measured():
     cases.append(dict(shard_size="node", precision="bf16-true", optimizer="adamw", config=TINY))
     cases.append(dict(shard_size="world", precision="32-true", optimizer="sgd", config=TINY))
     cases.append(dict(shard_size="world", precision="32-true", optimizer="adamw", config=UNEVEN))
+    # tensor parallelism: the tiny Llama's own plan splits attention, MLP, embedding and head 2 ways, norms not
+    cases.append(dict(shard_size="world", tensor_parallel_size=2, precision="32-true", optimizer="adamw", config=TINY))
+    cases.append(dict(shard_size="node", tensor_parallel_size=2, precision="bf16-mixed", optimizer="sgd", config=TINY))
     peak = dict(config=PEAK, batch=4, seq=128, steps=2, mmap_threshold=128 * 1024)
     values = (
         launch(
@@ -50,11 +54,11 @@ def test_predicted_shard_bytes_and_peak_memory_match_the_measured():
     )
 
     for index, case in enumerate(cases):
-        shard = SHARD[case["shard_size"]]
-        predicted = memory_per_device(
-            shape_of(case["config"]), Training(case["precision"], Workload(optimizer=case["optimizer"])), shard, 1
-        )
-        assert all(rank["state"][index]["mesh_shape"] == Layout(2, 2, shard).mesh_shape for rank in values)
+        shard, tensor = SHARD[case["shard_size"]], case.get("tensor_parallel_size", 1)
+        training = Training(case["precision"], Workload(optimizer=case["optimizer"]))
+        predicted = memory_per_device(shape_of(case["config"]), training, shard // tensor, tensor)
+        mesh_shape = Topology(2, 2, shard, tensor).mesh_shape
+        assert all(rank["state"][index]["mesh_shape"] == mesh_shape for rank in values)
         for kind in ("parameters", "gradients", "optimizer"):
             measured = [rank["state"][index]["bytes"][kind] for rank in values]
             expected = getattr(predicted, kind)

@@ -79,6 +79,25 @@ def test_llama_config_without_transformers(hf_directory, hf_reference, without_t
     assert shapes(model) == hf_reference
 
 
+def test_built_in_reader_splits_what_transformers_plan_splits(hf_directory, monkeypatch):
+    with_transformers = load_model_shape(hf_directory)
+    monkeypatch.setattr("fabric_hsdp.planning.sources._installed", lambda module: module != "transformers")
+    built_in = load_model_shape(hf_directory)
+    assert with_transformers.tensor_parallel_source == built_in.tensor_parallel_source
+    assert (
+        with_transformers.tensor_parallel_heads
+        == built_in.tensor_parallel_heads
+        == {
+            "config.num_attention_heads": 4,
+            "config.num_key_value_heads": 2,
+        }
+    )
+    split = {p.name: p.tensor_parallel_dim for p in with_transformers.parameters}
+    assert split == {p.name: p.tensor_parallel_dim for p in built_in.parameters}
+    assert split["model.embed_tokens.weight"] is None and split["lm_head.weight"] == 0
+    assert split["model.layers.0.self_attn.o_proj.weight"] == 1 and split["model.layers.0.mlp.up_proj.weight"] == 0
+
+
 def test_other_model_type_without_transformers_names_what_was_tried(tmp_path, without_transformers):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
     with pytest.raises(ImportError) as caught:

@@ -104,10 +104,16 @@ def peak_memory(
 
 
 def state_bytes(num_nodes: int, devices: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each case (shard_size, precision, optimizer): set up, take one step, sum the local shard bytes."""
+    """For each case (shard_size, tensor_parallel_size, precision, optimizer): set up, take a step, sum local bytes."""
     results = []
     for case in cases:
-        fabric = make_fabric(num_nodes, devices, precision=case["precision"], shard_size=case["shard_size"])
+        fabric = make_fabric(
+            num_nodes,
+            devices,
+            precision=case["precision"],
+            shard_size=case["shard_size"],
+            tensor_parallel_size=case.get("tensor_parallel_size", 1),
+        )
         config = LlamaConfig(**case["config"])
         with fabric.init_module(empty_init=True):
             model = Llama(config)
