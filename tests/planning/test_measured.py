@@ -7,6 +7,9 @@
   128 KiB and more go back to the OS at once and the resident set follows what is allocated; with glibc's default
   (a threshold that grows to 32 MiB), freed activation and gradient buffers stay in its heaps and the resident set
   ends 1.3-1.6x higher (docs/concepts.md has the figures).
+* ``HybridFSDPStrategy(shard_size="auto", memory_budget=...)`` picks the layout the plan recommends (both nodes when
+  one node's group does not fit; with ``tensor_parallel_size=2`` too), trains with it, and fails every rank with the
+  planner's error when nothing fits.
 """
 
 import pytest
@@ -43,10 +46,19 @@ def test_predicted_shard_bytes_and_peak_memory_match_the_measured():
     cases.append(dict(shard_size="world", tensor_parallel_size=2, precision="32-true", optimizer="adamw", config=TINY))
     cases.append(dict(shard_size="node", tensor_parallel_size=2, precision="bf16-mixed", optimizer="sgd", config=TINY))
     peak = dict(config=PEAK, batch=4, seq=128, steps=2, mmap_threshold=128 * 1024)
+    # shard_size="auto": a budget where one node's shard group does not fit but both nodes' does, and one too small
+    tiny, training = shape_of(TINY), Training("32-true", Workload(2, 8))
+    node, world = (memory_per_device(tiny, training, shard, 1).total for shard in (2, 4))
+    node_tp, world_tp = (memory_per_device(tiny, training, shard, 2).total for shard in (1, 2))
+    auto = [
+        dict(budget=int((node + world) / 2 / 0.9)),
+        dict(budget=int(world / 2)),
+        dict(budget=int((node_tp + world_tp) / 2 / 0.9), tensor_parallel_size=2),
+    ]
     values = (
         launch(
             "tests.scenarios.planning:measurements",
-            {"peak": peak, "cases": cases},
+            {"peak": peak, "cases": cases, "auto": auto},
             timeout=240,
         )
         .check()
@@ -72,3 +84,10 @@ def test_predicted_shard_bytes_and_peak_memory_match_the_measured():
     predicted_peak = memory_per_device(shape_of(PEAK), Training("32-true", Workload(4, 128, "adamw")), 2, 1).total
     for rank in values:
         assert 0.75 <= rank["peak"]["peak"] / predicted_peak <= 1.25, (rank["peak"]["peak"], predicted_peak)
+
+    for rank in values:
+        fits_both_nodes, fits_nowhere, with_tensor_parallel = rank["auto"]
+        assert fits_both_nodes == {"mesh_shape": (1, 4), "shard_size": 4}
+        assert fits_nowhere["error"].startswith(f"no layout fits {int(world / 2) * 0.9 / 1e3:.1f} KB per device")
+        assert f"the smallest total is {world / 1e6:.1f} MB per device with shard_size=4" in fits_nowhere["error"]
+        assert with_tensor_parallel == {"mesh_shape": (1, 2, 2), "shard_size": 4}

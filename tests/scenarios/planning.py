@@ -45,9 +45,39 @@ def _train_steps(
         del loss, tokens
 
 
-def measurements(num_nodes: int, devices: int, peak: dict[str, Any], cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """Both measurements in one launch: the peak first (nothing else has run yet), then the shard bytes."""
-    return {"peak": peak_memory(num_nodes, devices, **peak), "state": state_bytes(num_nodes, devices, cases)}
+def measurements(
+    num_nodes: int, devices: int, peak: dict[str, Any], cases: list[dict[str, Any]], auto: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """All in one launch: the peak first (nothing else has run yet), then the shard bytes, then shard_size='auto'."""
+    return {
+        "peak": peak_memory(num_nodes, devices, **peak),
+        "state": state_bytes(num_nodes, devices, cases),
+        "auto": [auto_layout(num_nodes, devices, **case) for case in auto],
+    }
+
+
+def auto_layout(num_nodes: int, devices: int, budget: int, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """shard_size='auto' with ``budget`` bytes per rank: the mesh it built and one training step, or its error."""
+    from fabric_hsdp.planning import Workload
+
+    fabric = make_fabric(
+        num_nodes,
+        devices,
+        shard_size="auto",
+        memory_budget=budget,
+        workload=Workload(2, 8),
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    config = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=16)
+    with fabric.init_module(empty_init=True):
+        model = Llama(config)
+    try:
+        model = fabric.setup_module(model)
+    except ValueError as error:
+        return {"error": str(error)}
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    _train_steps(fabric, model, optimizer, config, batch=2, seq=8, steps=1)
+    return {"mesh_shape": tuple(fabric.strategy.device_mesh.shape), "shard_size": fabric.strategy.topology.shard_size}
 
 
 def peak_memory(
