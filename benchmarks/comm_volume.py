@@ -4,7 +4,9 @@ Two simulated nodes are two network namespaces joined by one veth pair; each nam
 ``HybridFSDPStrategy`` (``GLOO_SOCKET_IFNAME`` = the namespace's veth, ``MASTER_ADDR`` = node 0's veth address). Ranks
 of one node talk over that node's own address, which the kernel routes through loopback, so the veth counters
 (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes`` of node 0's end, read by global rank 0) count exactly the
-inter-node traffic. Counters are read after a warm-up step, around a fixed number of steps, between barriers.
+inter-node traffic. The report also shows what ``fabric-hsdp plan`` predicts for the same model (its traffic model
+with ``backend="gloo"``, summed over both nodes) and the ratio measured / predicted. Counters are read after a
+warm-up step, around a fixed number of steps, between barriers.
 
 Theory (payload bytes, both directions together; ``T`` = the fp32 bytes of the full, padded parameters):
 
@@ -191,6 +193,21 @@ def theory_bytes(mode: str, config: Any, reshard_root: bool) -> dict[str, float]
     shard_bytes = (root + layers) / RANKS_PER_NODE
     # RANKS_PER_NODE pairs; a 2-rank ring all-reduce sends the whole shard each way.
     return {"all-reduce across nodes": RANKS_PER_NODE * 2 * shard_bytes}
+
+
+def planner_bytes(mode: str, config: Any, reshard: bool | None, batch_size: int, seq_len: int) -> float:
+    """Inter-node bytes per step as ``fabric-hsdp plan`` predicts them (gloo, both directions: all nodes' sends)."""
+    import torch
+
+    from examples.tiny_llama import Llama
+    from fabric_hsdp.planning import Training, Workload, model_shape_of_module, traffic_per_step
+    from fabric_hsdp.topology import Topology
+
+    with torch.device("meta"):
+        shape = model_shape_of_module(Llama(config))
+    training = Training("32-true", Workload(batch_size, seq_len), reshard_after_forward=reshard)
+    layout = Topology(NUM_NODES, RANKS_PER_NODE, shard_size=RANKS_PER_NODE if mode == "hsdp" else WORLD_SIZE)
+    return traffic_per_step(shape, training, layout, backend="gloo").inter_node_total
 
 
 CALIBRATION_THEORY = {
@@ -448,7 +465,7 @@ def main() -> int:
         return 1
     finally:
         network.close()
-    report(results, config, reshard, rate, steps, limited_steps, args.json)
+    report(results, config, reshard, rate, steps, limited_steps, args.json, args.batch_size, args.seq_len)
     print(f"total {time.monotonic() - started:.0f} s")
     return 0
 
@@ -461,6 +478,8 @@ def report(
     steps: int,
     limited_steps: int,
     json_path: Path | None,
+    batch_size: int = 1,
+    seq_len: int = 32,
 ) -> None:
     calibration = results["hsdp"].get("calibration", {})
     print("\ncalibration: inter-node bytes of one collective, in units of the full tensor T (8 MiB)")
@@ -469,8 +488,10 @@ def report(
         print(f"  {name:<46} {measured:>9.3f} {CALIBRATION_THEORY[name]:>7.3f}")
 
     theories = {mode: theory_bytes(mode, config, reshard_root=reshard is True) for mode in results}
+    planned = {mode: planner_bytes(mode, config, reshard, batch_size, seq_len) for mode in results}
     print(f"\nper training step ({steps} steps measured after a warm-up step; bytes = veth tx + rx)")
-    header = f"  {'':<6} {'measured':>12} {'theory':>12} {'meas/theory':>11} {'s/step':>8}"
+    header = f"  {'':<6} {'measured':>12} {'theory':>12} {'meas/theory':>11} {'planner':>12} {'meas/planner':>12}"
+    header += f" {'s/step':>8}"
     if rate:
         header += f" {'s/step @' + rate:>14}"
     print(header)
@@ -478,7 +499,8 @@ def report(
         theory = sum(theories[mode].values())
         line = (
             f"  {mode:<6} {_mb(result['bytes_per_step']):>12} {_mb(theory):>12}"
-            f" {result['bytes_per_step'] / theory:>11.3f} {result['seconds_per_step']:>8.2f}"
+            f" {result['bytes_per_step'] / theory:>11.3f} {_mb(planned[mode]):>12}"
+            f" {result['bytes_per_step'] / planned[mode]:>12.3f} {result['seconds_per_step']:>8.2f}"
         )
         if rate:
             line += f" {result['limited_seconds_per_step']:>14.2f}"
@@ -512,6 +534,7 @@ def report(
                 {
                     "results": results,
                     "theory": theories,
+                    "planner": planned,
                     "measured_ratio": measured_ratio,
                     "theory_ratio": theory_ratio,
                 },

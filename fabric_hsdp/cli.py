@@ -31,7 +31,7 @@ def build_parser() -> Any:
 
     parser = ArgumentParser(
         prog="fabric-hsdp",
-        description="Convert and inspect checkpoints for fabric-hsdp. `fabric-hsdp run [fabric run's options] SCRIPT`"
+        description="Checkpoints and layouts for fabric-hsdp. `fabric-hsdp run [fabric run's options] SCRIPT`"
         " launches a script like Lightning's `fabric run`, with --strategy hsdp (see `fabric-hsdp run --help`).",
         exit_on_error=False,
     )
@@ -74,6 +74,10 @@ def build_parser() -> Any:
     inspect.add_argument("--unsafe_pickle", action="store_true", help="unpickle without weights_only (trusted only)")
     inspect.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     subcommands.add_subcommand("inspect", inspect, help="show format, tensor count, sizes, dtypes and first keys")
+
+    from fabric_hsdp.planning.command import plan_parser
+
+    subcommands.add_subcommand("plan", plan_parser(), help="which shard_size fits a model; memory and traffic")
     return parser
 
 
@@ -117,6 +121,10 @@ def _one_line(error: BaseException) -> str:
 
 
 def _run(command: str, args: Any) -> None:
+    if command == "plan":
+        from fabric_hsdp.planning.command import run_plan
+
+        return run_plan(args)
     from fabric_hsdp.checkpoint.convert import convert_checkpoint, inspect_checkpoint
 
     if command == "convert":
