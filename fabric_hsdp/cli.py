@@ -82,7 +82,7 @@ def build_parser() -> Any:
 
 
 def _print_inspection(info: dict[str, Any]) -> None:
-    from fabric_hsdp.checkpoint.progress import format_bytes
+    from fabric_hsdp.units import format_binary_bytes as format_bytes
 
     dtypes = ", ".join(f"{dtype} x{count}" for dtype, count in info["dtypes"].items())
     print(f"{info['path']}: {info['format']}")

@@ -13,8 +13,8 @@ from fabric_hsdp.planning.memory import Training, Workload
 from fabric_hsdp.planning.model import model_shape_of_module
 from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN, Cluster, Plan, make_plan, no_fit_error
 from fabric_hsdp.planning.report import plan_table
-from fabric_hsdp.planning.units import format_bytes, parse_bytes
 from fabric_hsdp.topology import Topology
+from fabric_hsdp.units import format_bytes, parse_bytes
 
 
 def check_memory_budget(shard_size: Any, memory_budget: int | str | None, device_type: str | None) -> int | None:

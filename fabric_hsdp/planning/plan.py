@@ -15,8 +15,8 @@ from fabric_hsdp.planning.layout import candidate_layouts, describe
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
 from fabric_hsdp.planning.traffic import Traffic, traffic_per_step
-from fabric_hsdp.planning.units import format_bytes, parse_bandwidth, parse_bytes
 from fabric_hsdp.topology import Topology
+from fabric_hsdp.units import format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_SAFETY_MARGIN = 0.1
 _SAME_TRAFFIC = 0.02

@@ -6,7 +6,7 @@ from typing import Any
 
 from fabric_hsdp.planning.layout import describe
 from fabric_hsdp.planning.plan import LayoutPlan, Plan
-from fabric_hsdp.planning.units import format_bytes, format_seconds
+from fabric_hsdp.units import format_bytes, format_seconds
 
 ACTIVATIONS_NOTE = (
     "* activations are an estimate (Llama-style blocks with fused attention; see docs/concepts.md); parameters,"

@@ -1,4 +1,8 @@
-"""Byte sizes and bandwidths as people write them (``"80GB"``, ``"400Gbit/s"``), and back to text."""
+"""Byte sizes and bandwidths as people write them (``"80GB"``, ``"400Gbit/s"``), and back to text.
+
+Used by the planner (device memory, bandwidths), the strategy (``memory_budget``) and the checkpoint writers
+(``max_shard_size``); file sizes print in binary units, device memory in decimal ones, as each is usually quoted.
+"""
 
 from __future__ import annotations
 
@@ -63,6 +67,15 @@ def format_bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1000
     return f"{count:.2f} TB"
+
+
+def format_binary_bytes(count: float) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units, as file sizes are shown)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
 
 
 def format_seconds(seconds: float) -> str:
