@@ -19,6 +19,7 @@ when its stdin closes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -107,6 +108,9 @@ def become(request: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     _preload()
+    # what the imports created stays out of every later collection (in the ranks too): a forked rank's gc.collect()
+    # and its interpreter shutdown then only walk what the rank itself created (the usual prefork-server practice)
+    gc.freeze()
     _reply({"ready": True})
     request = serve()
     if request is not None:
