@@ -55,7 +55,7 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, mesh: Devi
         ValueError: a pattern matches no module, a style does not fit its module, or a split dim or head count does
             not divide by the tensor-parallel size (the message names the module, the dim and its size).
     """
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     size = mesh.size()
     if callable(plan):
@@ -70,7 +70,7 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, mesh: Devi
     for name, module, style in assignments:
         if isinstance(style, FusedColwise):
             _regroup_rows(module, FusedRows(style.block_sizes(module.weight.shape[0]), size))
-            style = _fused_as_colwise()
+            style = ColwiseParallel()  # the regrouped rows split like any column-wise layer
         # each rank splits its own copy (src_data_rank=None), as fully_shard does: no collective here
         parallelize_module(model, mesh, {name: style}, src_data_rank=None)
     if model_plan.local_head_counts is not None:
@@ -175,12 +175,6 @@ def _regroup_rows(module: nn.Linear, fused: FusedRows) -> None:
             regrouped = nn.Parameter(param.index_select(0, order.to(param.device)), requires_grad=param.requires_grad)
             module.register_parameter(param_name, regrouped)
     setattr(module, ATTRIBUTE, fused)
-
-
-def _fused_as_colwise() -> Any:
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    return ColwiseParallel()
 
 
 def _summary(assignments: list[tuple[str, nn.Module, Any]]) -> str:
