@@ -45,6 +45,7 @@ from benchmarks._harness import (  # noqa: E402 (after the sys.path line)
     RANKS_PER_NODE,
     VariantFailed,
     cpu_seconds,
+    llama_tp_plan,
     machine_load,
     release,
     run_ranks,
@@ -62,24 +63,6 @@ TARGET = 1.05
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def hand_written_plan() -> dict[str, Any]:
-    """``examples/tiny_llama.Llama._tp_plan`` translated to torch's styles by hand, as a user would write it."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
-
-
 def build_hand_written(config: Any, mesh_shape: tuple[int, int, int]) -> Any:
     """The model sharded by hand: TP on the ``tensor`` sub-mesh, then ``fully_shard`` on ``(replicate, shard)``."""
     import torch
@@ -92,7 +75,7 @@ def build_hand_written(config: Any, mesh_shape: tuple[int, int, int]) -> Any:
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard", "tensor"))
     with torch.device("meta"):
         model = Llama(config)
-    parallelize_module(model, mesh["tensor"], hand_written_plan())
+    parallelize_module(model, mesh["tensor"], llama_tp_plan())
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["replicate", "shard"])
     fully_shard(model, mesh=mesh["replicate", "shard"])
