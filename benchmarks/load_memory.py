@@ -58,6 +58,7 @@ import bisect
 import gc
 import math
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -324,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but lightning-hsdp)",
     )
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache before each variant")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the variants this many times, in reverse order every other time; wall times are medians over the"
+        " repeats, the per-rank table shows each variant's repeat with the highest peak anon (default 1)",
+    )
     parser.add_argument("--timeout", type=float, help="seconds per variant before its ranks are killed")
     parser.add_argument("--dir", default="/tmp", help="where the temporary directory goes (default /tmp)")
     args = parser.parse_args(argv)
@@ -346,23 +354,28 @@ def main(argv: list[str] | None = None) -> int:
             f" the same with _use_new_zipfile_serialization=False); model {describe_config(args.millions)}"
         )
         print(f"machine: {machine_load()} (start)")
-        results: dict[str, list[dict[str, Any]]] = {}
+        runs: dict[str, list[list[dict[str, Any]]]] = {variant: [] for variant in variants}
         cold: dict[str, bool] = {}
-        for variant in variants:
-            cold[variant] = False if args.warm else drop_page_cache()
-            results[variant] = run_ranks(
-                RANK_FUNCTION,
-                {
-                    "variant": variant,
-                    "path": str(files[VARIANTS[variant][3]]),
-                    "reference": str(path),
-                    "millions": args.millions,
-                },
-                timeout=timeout,
-                out_dir=work / f"launch-{variant}",
-            )
+        for repeat in range(args.repeat):
+            for variant in variants if repeat % 2 == 0 else list(reversed(variants)):
+                cold[variant] = (False if args.warm else drop_page_cache()) and cold.get(variant, True)
+                runs[variant].append(
+                    run_ranks(
+                        RANK_FUNCTION,
+                        {
+                            "variant": variant,
+                            "path": str(files[VARIANTS[variant][3]]),
+                            "reference": str(path),
+                            "millions": args.millions,
+                        },
+                        timeout=timeout,
+                        out_dir=work / f"launch-{variant}-{repeat}",
+                    )
+                )
+            if args.repeat > 1:
+                print(f"machine: {machine_load()} (after repeat {repeat + 1} of {args.repeat})")
         print(f"machine: {machine_load()} (end)")
-        return _report(results, cold, largest)
+        return _report(runs, cold, largest)
     except VariantFailed as error:
         print(f"FAILED: {error}", file=sys.stderr)
         return 1
@@ -370,12 +383,22 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _report(results: dict[str, list[dict[str, Any]]], cold: dict[str, bool], largest: int) -> int:
+def _highest_peak(ranks: list[dict[str, Any]]) -> int:
+    return max(rank["peak_anon"] for rank in ranks)
+
+
+def _report(runs: dict[str, list[list[dict[str, Any]]]], cold: dict[str, bool], largest: int) -> int:
     if all(cold.values()):
         print("page cache: dropped before every variant (cold reads)")
     else:
         print(f"page cache: dropped before {[v for v, c in cold.items() if c]} only; the others read warm")
-    wall = {variant: max(rank["seconds"] for rank in ranks) for variant, ranks in results.items()}
+    repeats = max(len(ranks_per_run) for ranks_per_run in runs.values())
+    # a run's wall time is its slowest rank's; with repeats, the median over them
+    walls = {variant: [max(rank["seconds"] for rank in ranks) for ranks in runs_] for variant, runs_ in runs.items()}
+    wall = {variant: statistics.median(values) for variant, values in walls.items()}
+    results = {variant: max(runs_, key=_highest_peak) for variant, runs_ in runs.items()}
+    if repeats > 1:
+        print(f"{repeats} repeats: per-rank rows are each variant's repeat with the highest peak anon")
     lightning_wall = wall.get("lightning")
     print(
         f"\n{'variant':<24}{'rank':>5}{'load s':>8}{'anon before':>12}{'peak anon':>11}{'anon after':>11}"
@@ -398,15 +421,20 @@ def _report(results: dict[str, list[dict[str, Any]]], cold: dict[str, bool], lar
                 f"{rank['peak_rss'] / MIB:>9.0f}M"
                 f"{rank['peak_sampled_total'] / MIB:>9.0f}M{rank['shard'] / MIB:>7.0f}M  {verdict}"
             )
-            if rank["wrong"]:
-                ok = False
-                print(f"FAILED: {VARIANTS[variant][0]} rank {rank_index} loaded wrong values into {rank['wrong'][:3]}")
-            if rank["wrong_gathered"]:
-                ok = False
-                print(
-                    f"FAILED: {VARIANTS[variant][0]}, gathered on rank {rank_index}: tensors differ from the file:"
-                    f" {rank['wrong_gathered'][:3]}"
-                )
+        for repeat, ranks_of_run in enumerate(runs[variant]):
+            for rank_index, rank in enumerate(ranks_of_run):
+                if rank["wrong"]:
+                    ok = False
+                    print(
+                        f"FAILED: {label} (repeat {repeat + 1}) rank {rank_index} loaded wrong values into"
+                        f" {rank['wrong'][:3]}"
+                    )
+                if rank["wrong_gathered"]:
+                    ok = False
+                    print(
+                        f"FAILED: {label} (repeat {repeat + 1}), gathered on rank {rank_index}: tensors differ from"
+                        f" the file: {rank['wrong_gathered'][:3]}"
+                    )
     print(
         "(MiB; peak anon, anon after and peak RSS are over the rank's own value just before the load; peak RSS counts"
         " file pages too, (sampled) is the thread's view of it; 'load s' is the call)"
@@ -429,7 +457,11 @@ def _report(results: dict[str, list[dict[str, Any]]], cold: dict[str, bool], lar
             anchor_ratio = seconds / wall[anchor]
             verdict += f"; <= 0.5 x {VARIANTS[anchor][0]}: {'pass' if anchor_ratio <= 0.5 else 'MISS'}"
         print(f"{VARIANTS[variant][0]:<24}{seconds:>8.2f}{ratio:>13.2f}x{tensor_parallel_ratio:>18.2f}x  {verdict}")
-    print("(wall s: the slowest rank's load call)")
+    if repeats > 1:
+        spread = ", ".join(f"{VARIANTS[v][0]} {min(w):.2f}..{max(w):.2f}" for v, w in walls.items())
+        print(f"(wall s: the slowest rank's load call, median of {repeats} repeats; min..max: {spread})")
+    else:
+        print("(wall s: the slowest rank's load call)")
 
     turns = [variant for variant in results if VARIANTS[variant][2] == "turns"]
     if turns:
