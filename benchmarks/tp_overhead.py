@@ -23,6 +23,9 @@ odd ones, so a drift in machine load hits both alike); a round's time is the slo
 Reported: the median seconds per step of each variant and the ratio ours / hand-written (target <= 1.05), per mesh,
 also in CPU seconds (less sensitive to other jobs on a shared machine), with the load average.
 
+``--control`` measures the noise floor of that ratio: the "ours" slot runs a second hand-written copy instead (an
+A/A comparison, whose true ratio is 1), with everything else the same.
+
 Run: ``python benchmarks/tp_overhead.py`` (both meshes, a few minutes here) or ``--quick``; ``--meshes 2,1,2``.
 """
 
@@ -114,6 +117,7 @@ def measure_rank(
     steps: int,
     num_nodes: int,
     devices: int,
+    control: bool = False,
 ) -> dict[str, Any]:
     import warnings
 
@@ -152,6 +156,18 @@ def measure_rank(
         our_optimizer.zero_grad()
         return loss.item()
 
+    if control:  # A/A: the "ours" slot runs a second copy of the hand-written job
+        second = build_hand_written(model_config, shape)
+        copy_shards(ours.module, second)
+        second_optimizer = torch.optim.AdamW(second.parameters(), lr=1e-3)
+
+        def our_step(tokens: torch.Tensor) -> float:
+            loss = loss_fn(second(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            second_optimizer.step()
+            second_optimizer.zero_grad()
+            return loss.item()
+
     def hand_step(tokens: torch.Tensor) -> float:
         loss = loss_fn(hand(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
@@ -174,7 +190,8 @@ def measure_rank(
                 losses[name].append(variants[name](tokens))
             fabric.barrier()
             times[name].append(((time.perf_counter() - started) / steps, (cpu_seconds() - cpu) / steps))
-    report = {"times": times, "losses": losses, "mesh": str(strategy.topology.mesh_shape)}
+    labels = ["hand-written #2" if control else "ours", "hand-written"]
+    report = {"times": times, "losses": losses, "mesh": str(strategy.topology.mesh_shape), "labels": labels}
     release(fabric, [ours, hand])
     return report
 
@@ -214,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         default=list(MESHES),
         help="(replicate, shard, tensor) shapes, e.g. 2,1,2 1,2,2 (default both: shard_size='node' and 'world')",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A run: a second hand-written copy in the 'ours' slot, to see how far the ratio strays from 1 by noise",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch before it is killed")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -224,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {config.dim}, {config.n_layers} layers, {config.n_heads} heads, hidden {config.hidden_dim}; fp32; batch"
         f" {args.batch_size} x {args.seq_len} tokens per data-parallel rank; {NUM_NODES} nodes x {RANKS_PER_NODE}"
         f" CPU ranks (gloo); {rounds} rounds x {args.steps} steps per variant, alternating"
+        + ("; CONTROL run (A/A: two hand-written copies)" if args.control else "")
     )
     results: dict[str, Any] = {}
     failed = False
@@ -240,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seq_len": args.seq_len,
                     "rounds": rounds,
                     "steps": args.steps,
+                    "control": args.control,
                 },
                 timeout=args.timeout,
                 out_dir=work / "x".join(map(str, shape)),
@@ -259,6 +283,7 @@ def _report(
 ) -> bool:
     """Print one mesh's figures; return True if the variants computed different losses."""
     names = list(ranks[0]["times"])
+    labels = dict(zip(names, ranks[0]["labels"]))
     rounds = len(ranks[0]["times"][names[0]])
     # a round's time: the slowest rank's (they meet in every collective, so they differ by little)
     wall = {name: [max(rank["times"][name][i][0] for rank in ranks) for i in range(rounds)] for name in names}
@@ -270,19 +295,22 @@ def _report(
     cpu_ratio = cpu_median["ours"] / cpu_median["hand-written"]
     loss_gap = max(abs(a - b) for rank in ranks for a, b in zip(rank["losses"]["ours"], rank["losses"]["hand-written"]))
     print(f"\nmesh (replicate, shard, tensor) = {shape} (shard_size={MESHES[shape]!r}); {load_before} -> {load_after}")
-    print(f"  {'variant':<14}{'median s/step':>14}{'min':>8}{'max':>8}{'CPU s/step':>12}")
+    print(f"  {'variant':<16}{'median s/step':>14}{'min':>8}{'max':>8}{'CPU s/step':>12}")
     for name in names:
         print(
-            f"  {name:<14}{median[name]:>14.3f}{min(wall[name]):>8.3f}{max(wall[name]):>8.3f}{cpu_median[name]:>12.3f}"
+            f"  {labels[name]:<16}{median[name]:>14.3f}{min(wall[name]):>8.3f}{max(wall[name]):>8.3f}"
+            f"{cpu_median[name]:>12.3f}"
         )
     verdict = "met" if ratio <= TARGET else "MISSED"
+    if labels["ours"] != "ours":
+        verdict = "n/a (control run: the true ratio is 1)"
     print(
-        f"  ours / hand-written: {ratio:.3f} (median wall), {cpu_ratio:.3f} (median CPU); per round"
+        f"  {labels['ours']} / hand-written: {ratio:.3f} (median wall), {cpu_ratio:.3f} (median CPU); per round"
         f" {min(per_round):.3f} .. {max(per_round):.3f}, median {statistics.median(per_round):.3f};"
         f" target <= {TARGET}: {verdict}"
     )
     steps = len(ranks[0]["losses"]["ours"])
-    print(f"  losses, max |ours - hand-written| over {steps} steps and all ranks: {loss_gap:.3g}")
+    print(f"  losses, max |{labels['ours']} - hand-written| over {steps} steps and all ranks: {loss_gap:.3g}")
     results["x".join(map(str, shape))] = {
         "wall": wall,
         "cpu": cpu,
@@ -290,6 +318,7 @@ def _report(
         "cpu_ratio": cpu_ratio,
         "loss_gap": loss_gap,
         "load": [load_before, load_after],
+        "labels": ranks[0]["labels"],
     }
     return loss_gap != 0
 
