@@ -5,8 +5,10 @@ Two simulated nodes are two network namespaces joined by one veth pair; each nam
 ``HybridFSDPStrategy`` (``GLOO_SOCKET_IFNAME`` = the namespace's veth, ``MASTER_ADDR`` = node 0's veth address). Ranks
 of one node talk over that node's own address, which the kernel routes through loopback, so the veth counters
 (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes`` of node 0's end, read by global rank 0) count exactly the
-inter-node traffic, and node 0's loopback (``lo`` tx bytes in its namespace) the traffic inside node 0. Counters are
-read after a warm-up step, around a fixed number of steps, between barriers.
+inter-node traffic, and node 0's loopback (``lo`` tx bytes in its namespace) the traffic inside node 0. The report
+also shows what ``fabric-hsdp plan`` predicts for the same model (its traffic model with ``backend="gloo"``: between
+the nodes summed over both, inside a node per device) and the ratio measured / predicted. Counters are read after a
+warm-up step, around a fixed number of steps, between barriers.
 
 Theory (payload bytes, both directions together; ``T`` = the fp32 bytes of the full, padded parameters):
 
@@ -266,6 +268,36 @@ def intra_node_theory(mode: str, config: Any, reshard_root: bool, tp_sequences: 
     if mode == "fsdp":  # one edge of the 4-rank ring (0 -> 1) lies inside node 0
         return 0.75 * gathered + 1.5 * (root + layers)
     return gathered + 2 * (root + layers)
+
+
+def planner_traffic(mode: str, config: Any, reshard: bool | None, batch_size: int, seq_len: int) -> Any:
+    """``fabric-hsdp plan``'s ``Traffic`` for ``mode`` (gloo): ``inter_node_total`` (all nodes' sends, both
+    directions) and ``intra_node_bytes`` (the busiest device's sends inside its node).
+
+    ``batch_size``: sequences per data-parallel rank (the micro-batch of a tensor-parallel group).
+    """
+    import torch
+
+    from examples.tiny_llama import Llama
+    from fabric_hsdp.planning import Training, Workload, model_shape_of_module, traffic_per_step
+    from fabric_hsdp.topology import Topology
+
+    shard_size, tensor_parallel_size = MODES[mode]
+    with torch.device("meta"):
+        shape = model_shape_of_module(Llama(config))
+    training = Training("32-true", Workload(batch_size, seq_len), reshard_after_forward=reshard)
+    layout = Topology.resolve(shard_size, NUM_NODES, RANKS_PER_NODE, WORLD_SIZE, tensor_parallel_size)
+    return traffic_per_step(shape, training, layout, backend="gloo")
+
+
+def planner_bytes(mode: str, config: Any, reshard: bool | None, batch_size: int, seq_len: int) -> float:
+    """Inter-node bytes per step as ``fabric-hsdp plan`` predicts them (gloo, both directions: all nodes' sends)."""
+    return planner_traffic(mode, config, reshard, batch_size, seq_len).inter_node_total
+
+
+# Ranks of node 0 that send to another rank of node 0 (to turn its loopback total into bytes per device): FSDP's
+# 4-rank ring has one edge inside node 0 (0 -> 1); HSDP's shard groups and HSDP+TP's tensor groups are the node.
+INTRA_NODE_SENDERS = {"hsdp": RANKS_PER_NODE, "fsdp": 1, "hsdp-tp": RANKS_PER_NODE}
 
 
 CALIBRATION_THEORY = {
@@ -592,9 +624,14 @@ def report(
         mode: intra_node_theory(mode, config, reshard is True, batch_size * TENSOR_PARALLEL_SIZE, seq_len)
         for mode in results
     }
+    planned_traffic = {
+        mode: planner_traffic(mode, config, reshard, batch_size * MODES[mode][1], seq_len) for mode in results
+    }
+    planned = {mode: traffic.inter_node_total for mode, traffic in planned_traffic.items()}
     width = max(6, *(len(mode) for mode in results))
     print(f"\nper training step ({steps} steps measured after a warm-up step; bytes = veth tx + rx)")
-    header = f"  {'':<{width}} {'measured':>12} {'theory':>12} {'meas/theory':>11} {'s/step':>8}"
+    header = f"  {'':<{width}} {'measured':>12} {'theory':>12} {'meas/theory':>11} {'planner':>12} {'meas/planner':>12}"
+    header += f" {'s/step':>8}"
     if rate:
         header += f" {'s/step @' + rate:>14}"
     print(header)
@@ -602,7 +639,8 @@ def report(
         theory = sum(theories[mode].values())
         line = (
             f"  {mode:<{width}} {_mb(result['bytes_per_step']):>12} {_mb(theory):>12}"
-            f" {result['bytes_per_step'] / theory:>11.3f} {result['seconds_per_step']:>8.2f}"
+            f" {result['bytes_per_step'] / theory:>11.3f} {_mb(planned[mode]):>12}"
+            f" {result['bytes_per_step'] / planned[mode]:>12.3f} {result['seconds_per_step']:>8.2f}"
         )
         if rate:
             line += f" {result['limited_seconds_per_step']:>14.2f}"
@@ -610,13 +648,22 @@ def report(
     for mode, parts in theories.items():
         print(f"  theory {mode}: " + ", ".join(f"{name} {_mb(value)}" for name, value in parts.items()))
 
-    print("\ninside node 0 per step (loopback tx bytes: the traffic between the two ranks of node 0)")
-    print(f"  {'':<{width}} {'measured':>12} {'theory':>12} {'meas/theory':>11}")
+    print(
+        "\ninside node 0 per step (loopback tx bytes: the traffic between the two ranks of node 0; per device: over the"
+        " ranks of node 0 that send inside it, what the planner's intra-node figure counts)"
+    )
+    print(
+        f"  {'':<{width}} {'measured':>12} {'theory':>12} {'meas/theory':>11} {'per device':>12} {'planner':>12}"
+        f" {'meas/planner':>12}"
+    )
     for mode, result in results.items():
         measured = result.get("intra_node_bytes_per_step", float("nan"))
+        per_device = measured / INTRA_NODE_SENDERS[mode]
+        predicted = planned_traffic[mode].intra_node_bytes
         print(
             f"  {mode:<{width}} {_mb(measured):>12} {_mb(intra_theories[mode]):>12}"
-            f" {measured / intra_theories[mode]:>11.3f}"
+            f" {measured / intra_theories[mode]:>11.3f} {_mb(per_device):>12} {_mb(predicted):>12}"
+            f" {per_device / predicted if predicted else float('nan'):>12.3f}"
         )
 
     summary: dict[str, Any] = {}
@@ -677,7 +724,15 @@ def report(
     if json_path is not None:
         json_path.write_text(
             json.dumps(
-                {"results": results, "theory": theories, "intra_node_theory": intra_theories, **summary}, indent=2
+                {
+                    "results": results,
+                    "theory": theories,
+                    "planner": planned,
+                    "intra_node_theory": intra_theories,
+                    "planner_intra_node_per_device": {m: t.intra_node_bytes for m, t in planned_traffic.items()},
+                    **summary,
+                },
+                indent=2,
             )
         )
 

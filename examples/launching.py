@@ -1,8 +1,10 @@
-"""What the example scripts share about being launched: ``fabric run`` or not, devices and nodes, the newest checkpoint.
+"""What the example scripts share about being launched: ``fabric run`` or not, devices and nodes, the newest checkpoint,
+a per-rank launch report.
 
-One script runs under every launcher. Lightning picks the cluster environment from the variables each one sets
-(torchrun's ``TORCHELASTIC_RUN_ID``, SLURM's ``SLURM_NTASKS``, LSF's ``JSM_NAMESPACE_*``, MPI through ``mpi4py``);
-the script only has to
+One script runs under every launcher. The cluster environment follows the variables each one sets (torchrun's
+``TORCHELASTIC_RUN_ID``, SLURM's ``SLURM_NTASKS``, LSF's ``JSM_NAMESPACE_*``, mpirun's ``OMPI_COMM_WORLD_*`` read
+through ``mpi4py``; ``fabric_hsdp.launchers`` picks the innermost launcher where Lightning's order would not); the
+script only has to
 
 * call ``fabric.launch()`` everywhere except under ``fabric run``: under torchrun, SLURM, LSF and MPI it creates no
   process but marks the processes as set up (``setup_module`` raises "you must call .launch()" without it); with plain
@@ -13,9 +15,14 @@ the script only has to
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 from pathlib import Path
+from typing import Any
+
+from fabric_hsdp.launchers import SBATCH_SCRIPT, detect_launcher
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
@@ -30,25 +37,53 @@ def launched_by_fabric_cli() -> bool:
 
 
 def devices_and_nodes(devices: int | str, num_nodes: int | None) -> tuple[int | str, int]:
-    """Fill ``"auto"`` devices and unset nodes from what torchrun, SLURM's srun or Open MPI's mpirun started.
+    """Fill ``"auto"`` devices and unset nodes from what the launcher started (torchrun, srun, mpirun, jsrun).
 
-    Lightning checks ``devices x num_nodes`` against the launcher's world size, so they must match it. Under
-    ``fabric run`` the CLI's ``--devices``/``--num-nodes`` apply (Fabric reads them from the environment); for LSF
-    (jsrun) and MPICH pass both explicitly.
+    ``fabric_hsdp.launchers`` tells which launcher started the process (mpirun inside a SLURM allocation included)
+    and what it started. The strategy checks ``devices x num_nodes`` against that, so they must match it. Under
+    ``fabric run`` the CLI's ``--devices``/``--num-nodes`` apply (Fabric reads them from the environment).
     """
     if launched_by_fabric_cli():
         return devices, num_nodes or 1
-    env = os.environ
-    if devices == "auto" and "LOCAL_WORLD_SIZE" in env:  # torchrun
-        devices = int(env["LOCAL_WORLD_SIZE"])
-        num_nodes = num_nodes or int(env["WORLD_SIZE"]) // devices
-    elif devices == "auto" and "SLURM_NTASKS" in env and env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
-        devices = int(env["SLURM_NTASKS_PER_NODE"])
-        num_nodes = num_nodes or int(env.get("SLURM_NNODES", "1"))
-    elif devices == "auto" and "OMPI_COMM_WORLD_LOCAL_SIZE" in env:  # Open MPI's mpirun
-        devices = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
-        num_nodes = num_nodes or int(env["OMPI_COMM_WORLD_SIZE"]) // devices
+    launcher = detect_launcher()
+    if devices == "auto" and launcher.ranks_per_node and launcher.name != SBATCH_SCRIPT:
+        devices = launcher.ranks_per_node
+        num_nodes = num_nodes or launcher.num_nodes
     return devices, num_nodes or 1
+
+
+def write_report(report_dir: Path, fabric: Any, strategy: Any, **facts: object) -> None:
+    """Write what this rank knows about its launch to ``<report_dir>/rank<R>.json`` (replaced atomically).
+
+    The launcher and Lightning's cluster environment, global/node/local rank, host, device, mesh coordinates, the
+    launcher's own variables, and ``facts``: enough to check a new cluster's launch rank by rank.
+    """
+    prefixes = ("SLURM_", "OMPI_COMM_WORLD_", "PMIX_RANK", "PMI_", "JSM_NAMESPACE_", "LSB_JOBID", "TORCHELASTIC_")
+    torch_names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    variables = {k: v for k, v in os.environ.items() if k.startswith(prefixes) or k in torch_names}
+    mesh_coordinate = strategy.device_mesh.get_coordinate()
+    report = {
+        "launcher": detect_launcher().name,
+        "cluster_environment": type(strategy.cluster_environment).__name__,
+        "global_rank": fabric.global_rank,
+        "node_rank": fabric.node_rank,
+        "local_rank": fabric.local_rank,
+        "world_size": fabric.world_size,
+        "num_nodes": strategy.num_nodes,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(fabric.device),
+        "mesh_shape": list(strategy.topology.mesh_shape),
+        "topology_coordinates": list(strategy.topology.coordinates(fabric.global_rank)),
+        "mesh_coordinate": list(mesh_coordinate) if mesh_coordinate is not None else None,
+        "variables": variables,
+        **facts,
+    }
+    report_dir.mkdir(parents=True, exist_ok=True)
+    path = report_dir / f"rank{fabric.global_rank}.json"
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(report, indent=1))
+    staging.replace(path)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:

@@ -36,7 +36,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES.parent))  # `examples.tiny_llama` without installing the examples
 
-from examples.launching import devices_and_nodes, latest_checkpoint, launched_by_fabric_cli  # noqa: E402
+from examples.launching import devices_and_nodes, latest_checkpoint, launched_by_fabric_cli, write_report  # noqa: E402
 from examples.tiny_llama import Block, Llama, LlamaConfig, loss_fn  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
 
@@ -85,6 +85,7 @@ def main(
     num_nodes: int | None = None,
     precision: str | None = None,
     seed: int = 42,
+    report_dir: Path | None = None,
 ) -> None:
     """Train the tiny LLaMA with HSDP.
 
@@ -115,6 +116,8 @@ def main(
         num_nodes: Nodes; unset takes torchrun's/srun's value (or ``fabric run --num-nodes``), else 1.
         precision: Fabric precision, e.g. ``bf16-mixed`` on GPUs; unset = ``32-true``.
         seed: Seed of the initial weights and of the data order.
+        report_dir: Each rank writes ``rank<R>.json`` here: the launcher and cluster environment, its ranks, host,
+            device and mesh coordinates, at start-up and again at the end. For checking a new cluster's launch.
     """
     if seq_len > model.max_seq_len:
         raise ValueError(f"--seq_len {seq_len} exceeds --model.max_seq_len {model.max_seq_len}")
@@ -163,6 +166,9 @@ def main(
         started = time.perf_counter()
         fabric.load_raw(init_from, net)
         fabric.print(f"initialised from {init_from} (load_mode={load_mode}) in {time.perf_counter() - started:.2f} s")
+    resumed_from = state["step"]
+    if report_dir is not None:
+        write_report(report_dir, fabric, strategy, resumed_from=resumed_from, finished=False)
 
     def save(step: int) -> None:
         path = out_dir / f"step-{step:06d}"
@@ -200,8 +206,12 @@ def main(
             save(step)
     if state["step"] < max_steps:
         save(max_steps)
-    fabric.print(f"done: val loss {evaluate(fabric, net, val_tokens, batch_size, seq_len, seed):.4f}")
+    val_loss = evaluate(fabric, net, val_tokens, batch_size, seq_len, seed)
+    fabric.print(f"done: val loss {val_loss:.4f}")
     strategy.wait_for_checkpoint()  # a save still in the background: committed here, or its failure raised
+    if report_dir is not None:
+        facts = {"resumed_from": resumed_from, "finished": True, "step": max_steps, "val_loss": val_loss}
+        write_report(report_dir, fabric, strategy, **facts)
 
 
 @torch.no_grad()

@@ -30,7 +30,10 @@ def build_parser() -> Any:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
-        prog="fabric-hsdp", description="Convert and inspect checkpoints for fabric-hsdp.", exit_on_error=False
+        prog="fabric-hsdp",
+        description="Checkpoints and layouts for fabric-hsdp. `fabric-hsdp run [fabric run's options] SCRIPT`"
+        " launches a script like Lightning's `fabric run`, with --strategy hsdp (see `fabric-hsdp run --help`).",
+        exit_on_error=False,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -71,11 +74,15 @@ def build_parser() -> Any:
     inspect.add_argument("--unsafe_pickle", action="store_true", help="unpickle without weights_only (trusted only)")
     inspect.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     subcommands.add_subcommand("inspect", inspect, help="show format, tensor count, sizes, dtypes and first keys")
+
+    from fabric_hsdp.planning.command import plan_parser
+
+    subcommands.add_subcommand("plan", plan_parser(), help="which shard_size fits a model; memory and traffic")
     return parser
 
 
 def _print_inspection(info: dict[str, Any]) -> None:
-    from fabric_hsdp.checkpoint.progress import format_bytes
+    from fabric_hsdp.units import format_binary_bytes as format_bytes
 
     dtypes = ", ".join(f"{dtype} x{count}" for dtype, count in info["dtypes"].items())
     print(f"{info['path']}: {info['format']}")
@@ -114,6 +121,10 @@ def _one_line(error: BaseException) -> str:
 
 
 def _run(command: str, args: Any) -> None:
+    if command == "plan":
+        from fabric_hsdp.planning.command import run_plan
+
+        return run_plan(args)
     from fabric_hsdp.checkpoint.convert import convert_checkpoint, inspect_checkpoint
 
     if command == "convert":
@@ -140,9 +151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fabric-hsdp``; returns the exit code."""
     from jsonargparse import ArgumentError
 
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["run"]:  # `fabric run`'s options: Lightning's own parser reads them
+        from fabric_hsdp.run import main as run_main
+
+        return run_main(arguments[1:])
     parser = build_parser()
     try:
-        config = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        config = parser.parse_args(arguments)
     except ArgumentError as error:
         print(f"fabric-hsdp: error: {_one_line(error)} (see fabric-hsdp --help)", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -158,3 +158,35 @@ def is_sharded(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
+
+
+def parameter_names(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
+    """Each parameter's name by identity, taken before sharding; refuses optimizers that already have state."""
+    for optimizer in optimizers:
+        if optimizer.state:
+            raise ValueError(
+                "The optimizer already has state, which cannot follow the parameters into their shards. Create"
+                " the optimizer after fabric.setup_module(model), then call fabric.setup_optimizers(optimizer)."
+            )
+    return {id(param): name for name, param in module.named_parameters()}
+
+
+def repoint_optimizers(module: nn.Module, optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> None:
+    """``fully_shard`` replaced each parameter with a sharded one: point the optimizers at them by name."""
+    sharded = dict(module.named_parameters())
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[names[id(param)]] for param in group["params"]]
+
+
+def check_optimizer_is_sharded(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds parameters ``setup_module`` did not shard (created too early)."""
+    from torch.distributed.tensor import DTensor
+
+    plain = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"The optimizer holds {len(plain)} parameter(s) that are not sharded (e.g. shape"
+            f" {list(plain[0].shape)}): it was created before fabric.setup_module(model). Create it after:"
+            " `model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))`."
+        )

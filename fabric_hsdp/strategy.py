@@ -36,15 +36,21 @@ from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
 from fabric_hsdp.gradients import clip_grad_norm
+from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
+from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
+from fabric_hsdp.planning.memory import Workload
 from fabric_hsdp.sharding import (
     ModulePolicy,
     ShardingPlan,
+    check_optimizer_is_sharded,
     is_sharded,
     mixed_precision_policy,
     module_matcher,
     offload_policy,
+    parameter_names,
+    repoint_optimizers,
     shard_model,
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
@@ -77,6 +83,15 @@ class HybridFSDPStrategy(ParallelStrategy):
             ``"world"`` (plain FSDP over all ranks), or a number (e.g. 16 = two 8-GPU nodes, for a model that does not
             fit in one node). Must divide the world size and cover whole nodes or equal parts of one node. With
             tensor parallelism these ranks split the model ``T`` ways by TP and ``shard_size / T`` ways by FSDP.
+            ``"auto"``: at ``setup_module``, plan the real model with ``fabric-hsdp plan``'s code and take the
+            recommended layout (with this ``tensor_parallel_size``): of those that fit ``memory_budget`` less a 10 %
+            margin, the one sending the fewest bytes between nodes (on one node, the smallest shard group). The choice
+            and the plan's table are logged; when nothing fits, every rank raises a ``ValueError`` with the smallest
+            total per device and the changes that would fit.
+        memory_budget: With ``shard_size="auto"``: bytes each rank may use, an int or e.g. ``"70GB"``. Default: the
+            free memory of the CUDA device, the smallest over all ranks; required on CPU.
+        workload: With ``shard_size="auto"``: the micro-batch, sequence length and optimizer the plan sizes
+            activations and optimizer state for (``fabric_hsdp.planning.Workload``; default 1 x 2048 tokens, AdamW).
         tensor_parallel_size: Ranks that split each layer by tensor parallelism (``T``; default 1: none). Must divide
             the devices per node (tensor-parallel peers are consecutive ranks of one node) and ``shard_size``, and
             every dim the plan splits (heads, key/value heads, intermediate size, vocabulary): checked at setup, with
@@ -118,7 +133,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
-            normally fills these in.
+            normally fills these in. Without a ``cluster_environment``, one for the launcher that started this process
+            is chosen where Lightning's order would pick another (``mpirun`` inside SLURM: ``MPIEnvironment``).
 
     Mixed precision follows ``Fabric(precision=...)``: ``"bf16-mixed"`` computes with bf16 parameters and reduces
     gradients in fp32 over fp32 master shards; ``"16-mixed"`` likewise with fp16; ``"bf16-true"``/``"16-true"`` build
@@ -128,7 +144,9 @@ class HybridFSDPStrategy(ParallelStrategy):
     def __init__(
         self,
         sharded_modules: ModulePolicy | None = None,
-        shard_size: ShardSize = "node",
+        shard_size: ShardSize | Literal["auto"] = "node",
+        memory_budget: int | str | None = None,
+        workload: Workload | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = "auto",
         reshard_after_forward: bool | int | None = None,
@@ -146,15 +164,18 @@ class HybridFSDPStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
     ) -> None:
+        self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
+            cluster_environment=cluster_environment or environment_for(self._launched_by),
             precision=precision,
         )
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
         self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
-        self._shard_size = validate_shard_size(shard_size)
+        self._shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
+        self._memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
+        self._workload = workload
         self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
         self._tensor_parallel_plan = validate_plan(tensor_parallel_plan)
         self._reshard_after_forward = reshard_after_forward
@@ -183,14 +204,20 @@ class HybridFSDPStrategy(ParallelStrategy):
         """The mesh and its sub-meshes by purpose (``fsdp``, ``tensor``, ``replicate``); exists once the processes
         are set up."""
         if self._mesh is None:
-            raise RuntimeError("the device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks")
+            raise RuntimeError(
+                "the device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks, and with"
+                " shard_size='auto' after fabric.setup_module(model)"
+            )
         return self._mesh
 
     @property
     def topology(self) -> Topology:
         """Degrees of the mesh (``shard_size``, ``replicate_size``, nodes, ranks per node) and this rank's place."""
         if self._topology is None:
-            raise RuntimeError("the topology exists only after fabric.launch() (or `fabric run`) set up the ranks")
+            raise RuntimeError(
+                "the topology exists only after fabric.launch() (or `fabric run`) set up the ranks, and with"
+                " shard_size='auto' after fabric.setup_module(model)"
+            )
         return self._topology
 
     @property
@@ -226,6 +253,9 @@ class HybridFSDPStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Replicas and FSDP shard peers each compute on their own micro-batch; tensor-parallel peers share one.
+        if self._topology is None and self._shard_size == "auto":  # not chosen yet; these depend on T only
+            tensor = self._tensor_parallel_size
+            return {"num_replicas": self.world_size // tensor, "rank": self.global_rank // tensor}
         topology = self.topology
         return {"num_replicas": topology.data_parallel_size, "rank": topology.data_parallel_rank(self.global_rank)}
 
@@ -242,15 +272,11 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.parallel_devices is not None and self.local_rank >= len(self.parallel_devices):
-            raise ValueError(
-                f"this process has LOCAL_RANK={self.local_rank}, but Fabric(devices={len(self.parallel_devices)}) knows"
-                f" only {len(self.parallel_devices)} device(s) per node. Pass devices= equal to the processes the"
-                " launcher starts per node (torchrun --nproc-per-node, srun --ntasks-per-node, fabric run --devices)."
-            )
-        super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         if self.cluster_environment is None:
             raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
+        check_launch(self._launched_by, self.cluster_environment, self.num_nodes, self.num_processes, self.local_rank)
+        check_memory_budget(self._shard_size, self._memory_budget, self.root_device.type)
+        super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         self._process_group_backend = distributed.init_process_group(
             self.cluster_environment,
             node_rank=self.node_rank,
@@ -261,16 +287,20 @@ class HybridFSDPStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._timeout,
         )
-        self._topology = Topology.resolve(
-            self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
-        )
-        self._mesh = self._topology.build_mesh(self.root_device.type)
+        info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
+        if self._shard_size != "auto":  # "auto" needs the model: setup_module chooses
+            self._topology = Topology.resolve(
+                self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
+            )
+            self._mesh = self._topology.build_mesh(self.root_device.type)
+            info_on_rank_zero(_logger, "%s", self._topology.describe())
         self._background.set_up(self._timeout)
         atexit.register(self._end_of_process)
-        info_on_rank_zero(_logger, "%s", self._topology.describe())
 
     @override
     def setup_module(self, module: Module) -> Module:
+        if self._topology is None:
+            self._choose_layout(module)
         with fail_together("HybridFSDPStrategy.setup_module"):
             if is_sharded(module):
                 raise ValueError(
@@ -294,36 +324,40 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._sharded.add(module)
         return module
 
+    def _choose_layout(self, module: Module) -> None:
+        """``shard_size="auto"``: plan ``module``, resolve the topology, build the mesh (every rank, same choice)."""
+        budget = smallest_budget(self._memory_budget, self.root_device)  # a collective: before fail_together
+        with fail_together("HybridFSDPStrategy(shard_size='auto')"):
+            self._topology, plan = auto_topology(
+                module,
+                budget,
+                num_nodes=self.num_nodes,
+                ranks_per_node=self.num_processes,
+                tensor_parallel_size=self._tensor_parallel_size,
+                tensor_parallel_plan=self._tensor_parallel_plan,
+                precision=self.precision_name,
+                workload=self._workload,
+                activation_checkpointing=self._activation_checkpointing is not None,
+                cpu_offload=self._cpu_offload,
+                reshard_after_forward=self._reshard_after_forward,
+                backend=self._process_group_backend,
+            )
+        self._mesh = self._topology.build_mesh(self.root_device.type)
+        info_on_rank_zero(_logger, "%s", describe_choice(plan))
+        info_on_rank_zero(_logger, "%s", self._topology.describe())
+
     @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[Module, list[Optimizer], Any]:
-        # fully_shard replaces each parameter with a sharded one: point the optimizers at the new parameters by name.
-        names = {id(param): name for name, param in module.named_parameters()}
-        for optimizer in optimizers:
-            if optimizer.state:
-                raise ValueError(
-                    "The optimizer already has state, which cannot follow the parameters into their shards. Create"
-                    " the optimizer after fabric.setup_module(model), then call fabric.setup_optimizers(optimizer)."
-                )
+        names = parameter_names(module, optimizers)  # before fully_shard replaces the parameters
         module = self.setup_module(module)
-        sharded_params = dict(module.named_parameters())
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [sharded_params[names[id(param)]] for param in group["params"]]
+        repoint_optimizers(module, optimizers, names)
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        from torch.distributed.tensor import DTensor
-
-        plain = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
-        if plain:
-            raise ValueError(
-                f"The optimizer holds {len(plain)} parameter(s) that are not sharded (e.g. shape"
-                f" {list(plain[0].shape)}): it was created before fabric.setup_module(model). Create it after:"
-                " `model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))`."
-            )
+        check_optimizer_is_sharded(optimizer)
         return optimizer
 
     @override

@@ -13,7 +13,12 @@ RUNS = 20
 def test_twenty_consecutive_launches_exit_cleanly():
     failures = []
     for run in range(RUNS):  # every other run with tensor parallelism: mesh (2, 1, 2)
-        result = launch("tests.scenarios.core:train_and_exit", {"tensor_parallel_size": 1 + run % 2}, timeout=120)
+        result = launch(
+            "tests.scenarios.core:train_and_exit",
+            {"tensor_parallel_size": 1 + run % 2},
+            timeout=120,
+            env={"FABRIC_HSDP_TEST_FULL_EXIT": "1"},  # the interpreter's whole shutdown, where an abort would happen
+        )
         if result.timed_out or result.returncodes != [0, 0, 0, 0]:
             failures.append((run, result.returncodes, [r.stderr[-500:] for r in result.ranks if r.returncode]))
         assert [value["rank"] for value in result.values] == [0, 1, 2, 3]

@@ -123,7 +123,7 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, checkpoint, capsys):
         " (see fabric-hsdp --help)\n"
     )
     code, _, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--max_shard_size", "0", "--to", "safetensors")
-    assert (code, err) == (2, "fabric-hsdp: error: size '0' must be positive, e.g. '5GB'\n")
+    assert (code, err) == (2, "fabric-hsdp: error: max_shard_size='0' must be positive\n")
     code, _, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--dtype", "int8")
     assert code == 2 and err.startswith("fabric-hsdp: error: dtype 'int8' is not one of bf16, bfloat16,")
     code, _, err = run(capsys, "convert", checkpoint, tmp_path / "o", "--key_map", "nonsense")

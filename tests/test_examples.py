@@ -31,23 +31,26 @@ def test_latest_checkpoint_takes_the_highest_step_and_ignores_other_names(tmp_pa
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000010"
 
 
-def test_devices_and_nodes_follow_torchrun_srun_and_mpirun(monkeypatch):
-    names = ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
-    for name in ("LT_CLI_USED", *names):
-        monkeypatch.delenv(name, raising=False)
+def test_devices_and_nodes_follow_the_launcher(monkeypatch):
+    """torchrun, srun and mpirun (inside the allocation) as they set their variables (fabric_hsdp.launchers decides)."""
+    launcher_variables = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+    for name in list(os.environ):
+        if name == "LT_CLI_USED" or name.startswith("SLURM_") or name in launcher_variables:
+            monkeypatch.delenv(name)
     assert devices_and_nodes("auto", None) == ("auto", 1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run42")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert devices_and_nodes("auto", None) == (4, 4)
     assert devices_and_nodes(2, 8) == (2, 8)  # explicit values win
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.setenv("SLURM_NTASKS", "16")
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")
-    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    for name, value in dict(SLURM_NTASKS="16", SLURM_NNODES="2", SLURM_PROCID="3", SLURM_STEP_ID="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
     assert devices_and_nodes("auto", None) == (8, 2)
-    monkeypatch.delenv("SLURM_NTASKS")
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")  # Open MPI's mpirun
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "12")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "12")  # mpirun inside the allocation: its numbers, not SLURM's
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
     assert devices_and_nodes("auto", None) == (4, 3)
     monkeypatch.setenv("LT_CLI_USED", "1")  # under `fabric run` the CLI's --devices/--num-nodes apply
     assert devices_and_nodes("auto", None) == ("auto", 1)

@@ -47,3 +47,26 @@ def test_auto_plans_cover_transformers_litgpt_and_the_example():
     assert auto_plan(build("llama")).styles["layers.*.attention.wo"] == "rowwise"
     with pytest.raises(ValueError, match=r'tensor_parallel_plan="auto" knows no plan for Sequential .*\{"layers'):
         auto_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_an_uneven_split_by_any_plan_is_refused(monkeypatch):
+    """What a plan (a callable one too, which is not checked before it runs) split is checked after it ran."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from fabric_hsdp.tensor_parallel import _check_even_splits, apply_tensor_parallel
+    from tests.helpers.launch import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+        plan = lambda module, tensor_mesh: parallelize_module(module, tensor_mesh, {"1": ColwiseParallel()})  # noqa
+        apply_tensor_parallel(model, plan, init_device_mesh("cpu", (1,)))  # one rank: everything divides
+        # the same split over two ranks (checked without a second process): 3 rows do not divide by 2
+        with pytest.raises(ValueError, match=r"split 1.weight \[3, 6\] along dim 0 into 2 parts, but 3 does not"):
+            _check_even_splits(model, 2)
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,9 @@
 #   created"). Check `os.environ.get("LT_CLI_USED") == "1"` as examples/launching.py does.
 # * Leave accelerator/devices/num_nodes/precision at their defaults in Fabric(...), or pass the same values as on
 #   the command line: a different value raises a conflict error. Don't pass --strategy to `fabric run` when the
-#   script passes HybridFSDPStrategy(...).
+#   script passes HybridFSDPStrategy(...). For a script with a bare L.Fabric(), `fabric-hsdp run --strategy hsdp
+#   ...` takes the same options as `fabric run` (`fabric run --strategy hsdp` fails: Lightning checks the name
+#   before fabric_hsdp is imported; see docs/migration.md, which also translates `lightning run model`).
 # * Every node: same NUM_NODES, MAIN_ADDRESS (node 0's address, reachable from all nodes) and MAIN_PORT (free on
 #   node 0, open in its firewall). Node 0 waits until all nodes have joined.
 set -euo pipefail

@@ -21,9 +21,10 @@ from fabric_hsdp.checkpoint.dcp_directory import storage_files
 from fabric_hsdp.checkpoint.dcp_writer import write_dcp
 from fabric_hsdp.checkpoint.formats import open_checkpoint
 from fabric_hsdp.checkpoint.keys import KeyMapSpec, apply_key_map
-from fabric_hsdp.checkpoint.progress import Progress, format_bytes
+from fabric_hsdp.checkpoint.progress import Progress
 from fabric_hsdp.checkpoint.source import LazyTensor, TensorInfo, tensor_leaves, tree_nbytes
-from fabric_hsdp.checkpoint.writers import parse_size, write_safetensors, write_torch_file
+from fabric_hsdp.checkpoint.writers import write_safetensors, write_torch_file
+from fabric_hsdp.units import format_binary_bytes, parse_bytes
 
 _logger = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ class ConvertSummary:
         rate = self.bytes / self.seconds if self.seconds > 0 else 0.0
         extras = " with optimizer/extras" if self.with_extras else ""
         return (
-            f"converted {self.tensors} tensors ({format_bytes(self.bytes)}){extras} from {self.source_format} to"
-            f" {self.dest_format} in {self.seconds:.1f} s ({format_bytes(rate)}/s): {self.dest}"
+            f"converted {self.tensors} tensors ({format_binary_bytes(self.bytes)}){extras} from {self.source_format} to"
+            f" {self.dest_format} in {self.seconds:.1f} s ({format_binary_bytes(rate)}/s): {self.dest}"
         )
 
 
@@ -147,7 +148,9 @@ def convert_checkpoint(
     source, dest = Path(source), Path(dest)
     format = output_format(dest, to)
     cast_to = resolve_dtype(dtype)
-    shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None  # bad sizes fail up front
+    shard_limit = (
+        parse_bytes(max_shard_size, "max_shard_size") if max_shard_size is not None else None
+    )  # bad sizes fail up front
     if source.exists() and dest.exists() and source.resolve() == dest.resolve():
         raise ValueError(f"source and destination are the same path '{dest}'; write to a new path instead")
     if (dest.exists() or dest.is_symlink()) and not overwrite:

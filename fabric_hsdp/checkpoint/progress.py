@@ -13,18 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fabric_hsdp.units import format_binary_bytes
+
 _logger = logging.getLogger(__name__)
 
 LOG_INTERVAL = 15.0  # seconds between progress lines in a non-interactive log
-
-
-def format_bytes(count: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
 
 
 class Progress:
@@ -66,10 +59,8 @@ class Progress:
         rate = self.done / elapsed
         left = f", {(self.total - self.done) / rate:.0f} s left" if rate > 0 else ""
         share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        return (
-            f"{self.what}: {format_bytes(self.done)} of {format_bytes(self.total)}{share}, {format_bytes(rate)}/s"
-            + left
-        )
+        done, total, speed = (format_binary_bytes(value) for value in (self.done, self.total, rate))
+        return f"{self.what}: {done} of {total}{share}, {speed}/s{left}"
 
     def close(self) -> None:
         if self._bar is not None:

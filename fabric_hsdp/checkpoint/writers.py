@@ -24,7 +24,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -36,32 +35,13 @@ from fabric_hsdp.checkpoint.commit import atomic_output
 from fabric_hsdp.checkpoint.fileio import DirectFileWriter, ScratchBuffer, release_freed_memory
 from fabric_hsdp.checkpoint.safetensors_file import SAFETENSORS_DTYPES
 from fabric_hsdp.checkpoint.source import LazyTensor, map_tensors, nbytes, tensor_leaves
+from fabric_hsdp.units import parse_bytes
 
 TensorLike = torch.Tensor | LazyTensor
 TensorsArg = Mapping[str, TensorLike] | Iterable[tuple[str, TensorLike]]
 ProgressFn = Callable[[int], None]
 
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string like ``"5GB"`` (decimal, as Hugging Face uses) or ``"512MiB"``.
-
-    Raises:
-        ValueError: not a number with a known unit, or not positive.
-    """
-    if isinstance(size, int):
-        count = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
-        if not match or match.group(2).upper() not in _SIZE_UNITS:
-            raise ValueError(f"size {size!r} is not a number with a unit like '5GB', '500MB' or '2GiB'")
-        count = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
-    if count <= 0:
-        raise ValueError(f"size {size!r} must be positive, e.g. '5GB'")
-    return count
 
 
 def check_entries(tensors: TensorsArg) -> list[tuple[str, TensorLike]]:
@@ -260,7 +240,7 @@ def write_safetensors(
         with atomic_output(dest, overwrite) as tmp:
             _write_safetensors_file(tmp, entries, metadata, on_tensor, scratch_for(value for _, value in entries))
         return [dest]
-    limit = parse_size(max_shard_size) if max_shard_size is not None else float("inf")
+    limit = parse_bytes(max_shard_size, "max_shard_size") if max_shard_size is not None else float("inf")
     shards = plan_shards(entries, limit)  # type: ignore[arg-type]
     names = (
         ["model.safetensors"]

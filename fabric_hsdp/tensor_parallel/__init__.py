@@ -60,6 +60,7 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, mesh: Devi
     size = mesh.size()
     if callable(plan):
         plan(model, mesh)
+        _check_even_splits(model, size)
         return
     model_plan = auto_plan(model) if plan == "auto" else ModelPlan(styles=plan)
     assignments = _assign(model, model_plan.styles)
@@ -74,6 +75,7 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, mesh: Devi
         parallelize_module(model, mesh, {name: style}, src_data_rank=None)
     if model_plan.local_head_counts is not None:
         model_plan.local_head_counts(model, size)
+    _check_even_splits(model, size)
     info_on_rank_zero(
         _logger, "tensor parallel over %d ranks: %d modules split (%s)", size, len(assignments), _summary(assignments)
     )
@@ -145,6 +147,24 @@ def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> Non
             f" {type(style).__name__}). Choose a tensor_parallel_size that divides {extent}, or leave {name} out of"
             " the plan."
         )
+
+
+def _check_even_splits(model: nn.Module, size: int) -> None:
+    """Every parameter split by tensor parallelism (whatever the plan) splits evenly: DCP writes wrong data for a
+    tensor whose split dim does not divide by the mesh size (seen with torch 2.13), so such a plan is refused."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        for placement in param.placements:
+            if isinstance(placement, Shard) and param.shape[placement.dim] % size:
+                raise ValueError(
+                    f"tensor parallelism split {name} {list(param.shape)} along dim {placement.dim} into {size}"
+                    f" parts, but {param.shape[placement.dim]} does not divide by {size}: its checkpoints would be"
+                    f" written wrongly. Leave the module out of the plan, or choose a tensor_parallel_size that"
+                    f" divides {param.shape[placement.dim]}."
+                )
 
 
 def _regroup_rows(module: nn.Linear, fused: FusedRows) -> None:

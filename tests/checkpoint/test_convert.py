@@ -237,6 +237,7 @@ def test_an_interrupt_inside_the_file_writer_stays_an_interrupt(tmp_path, state_
 def test_progress_reaches_a_log_without_a_terminal(tmp_path, state_dict, monkeypatch, caplog):
     """In a batch log (no terminal) a long conversion logs bytes done, rate and time left; here every tensor."""
     from fabric_hsdp.checkpoint import progress
+    from fabric_hsdp.units import format_binary_bytes
 
     torch.save(state_dict, tmp_path / "in.pth")
     monkeypatch.setattr(progress, "LOG_INTERVAL", 0.0)
@@ -245,7 +246,7 @@ def test_progress_reaches_a_log_without_a_terminal(tmp_path, state_dict, monkeyp
     lines = [
         r.getMessage() for r in caplog.records if r.getMessage().startswith("converting in.pth -> out.safetensors")
     ]
-    total = progress.format_bytes(sum(t.numel() * t.element_size() for t in state_dict.values()))
+    total = format_binary_bytes(sum(t.numel() * t.element_size() for t in state_dict.values()))
     assert len(lines) == len(state_dict)
     assert lines[-1].startswith(f"converting in.pth -> out.safetensors: {total} of {total} (100%), ")
     assert lines[-1].endswith(" 0 s left")

@@ -17,7 +17,8 @@ from fabric_hsdp.checkpoint import (
     write_torch_file,
 )
 from fabric_hsdp.checkpoint.fileio import DirectFileWriter, release_freed_memory
-from fabric_hsdp.checkpoint.writers import parse_size, plan_shards
+from fabric_hsdp.checkpoint.writers import plan_shards
+from fabric_hsdp.units import parse_bytes
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
 
 
@@ -70,9 +71,9 @@ def test_atomic_output_refuses_existing_dest_without_overwrite(tmp_path):
 
 
 def test_parse_size_and_plan_shards():
-    assert [parse_size(s) for s in ("5GB", "500MB", "2GiB", "10", 7)] == [5 * 10**9, 5 * 10**8, 2 * 2**30, 10, 7]
-    with pytest.raises(ValueError, match="size '5 parsecs' is not a number"):
-        parse_size("5 parsecs")
+    assert [parse_bytes(s) for s in ("5GB", "500MB", "2GiB", "10", 7)] == [5 * 10**9, 5 * 10**8, 2 * 2**30, 10, 7]
+    with pytest.raises(ValueError, match="size='5 parsecs' is not a size; write a number with a unit"):
+        parse_bytes("5 parsecs")
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5])]  # 40, 40, 120, 20 bytes
     assert [[name for name, _ in shard] for shard in plan_shards(tensors, 100)] == [["t0", "t1"], ["t2"], ["t3"]]
 

@@ -13,18 +13,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.scenarios.common import batch, build, full_state, layer_class, make_fabric
+from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """The optimizer state of every parameter as full plain tensors, keyed by parameter name."""
+    """The optimizer state of every parameter as full plain tensors in the model's own layout, keyed by name.
+
+    Rows that tensor parallelism regrouped (litgpt's qkv) are put back in the model's order.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    from fabric_hsdp.tensor_parallel import fused_rows_of
+
+    fused = fused_rows_of(model)
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    return {
-        fqn: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
-        for fqn, entries in state["state"].items()
-    }
+    full = {}
+    for fqn, entries in state["state"].items():
+        full[fqn] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                value = fused[fqn].to_stored_order(value) if fqn in fused and value.ndim else value
+                value = value.detach().cpu().clone()
+            full[fqn][key] = value
+    return full
 
 
 def _expected_state(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
@@ -36,7 +47,8 @@ def _expected_state(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any
     }
 
 
-def _setup(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int = 0) -> tuple[Any, Any, Any]:
+def setup_training(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int = 0) -> tuple[Any, Any, Any]:
+    """A model built (on meta with ``empty_init``) and set up, its AdamW and a StepLR scheduler."""
     with fabric.init_module(empty_init=empty_init):
         model = build(kind, seed=seed)
     model = fabric.setup_module(model)
@@ -45,12 +57,13 @@ def _setup(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int 
     return model, optimizer, scheduler
 
 
-def _train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
+def train_steps(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
+    """``steps`` AdamW steps, each data-parallel rank on its own rows (tensor-parallel peers on the same)."""
     data = fabric.strategy.distributed_sampler_kwargs  # tensor-parallel peers share their rows
     inputs, targets = batch(2 * data["num_replicas"], seed=7)
     rows = slice(2 * data["rank"], 2 * data["rank"] + 2)
     for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(model(inputs[rows]).flatten(0, 1), targets[rows].flatten())
+        loss = torch.nn.functional.cross_entropy(logits_of(model, inputs[rows]).flatten(0, 1), targets[rows].flatten())
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -67,8 +80,8 @@ def save(
 ) -> dict:
     """Train 2 steps, save, and record the exact expected state (rank 0 writes expected.pt)."""
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, state_dict_type=state_dict_type)
-    model, optimizer, scheduler = _setup(fabric, empty_init=False)
-    _train(fabric, model, optimizer, scheduler, steps=2)
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    train_steps(fabric, model, optimizer, scheduler, steps=2)
     expected = _expected_state(model, optimizer, scheduler)
     path = Path(out) / name
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "hi"}
@@ -96,7 +109,7 @@ def load(
         shard_size=shard_size,
         split_replica_reads=split_replica_reads,
     )
-    model, optimizer, scheduler = _setup(fabric, empty_init=True, seed=99)
+    model, optimizer, scheduler = setup_training(fabric, empty_init=True, seed=99)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     remainder = fabric.load(Path(out) / name, state, **kw)
     expected = torch.load(Path(out) / "expected.pt", weights_only=False)
@@ -135,8 +148,8 @@ def save_with_lightning(num_nodes: int, devices: int, out: str) -> dict:
     strategy = ModelParallelStrategy(parallelize, data_parallel_size=num_nodes * devices, tensor_parallel_size=1)
     fabric = L.Fabric(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy)
     fabric.launch()
-    model, optimizer, scheduler = _setup(fabric, empty_init=False)
-    _train(fabric, model, optimizer, scheduler, steps=2)
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    train_steps(fabric, model, optimizer, scheduler, steps=2)
     expected = _expected_state(model, optimizer, scheduler)
     fabric.save(Path(out) / "ckpt", {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2})
     if fabric.global_rank == 0:
@@ -154,8 +167,8 @@ def save_in_background(num_nodes: int, devices: int, out: str) -> dict:
     from torch.distributed.checkpoint import filesystem
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, async_save=True)
-    model, optimizer, scheduler = _setup(fabric, empty_init=False)
-    _train(fabric, model, optimizer, scheduler, steps=2)
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    train_steps(fabric, model, optimizer, scheduler, steps=2)
     expected = _expected_state(model, optimizer, scheduler)
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")
@@ -171,7 +184,7 @@ def save_in_background(num_nodes: int, devices: int, out: str) -> dict:
     path = Path(out) / "ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "hi"})
     visible_before_written = path.exists()
-    _train(fabric, model, optimizer, scheduler, steps=1)  # changes parameters, AdamW state and lr in place
+    train_steps(fabric, model, optimizer, scheduler, steps=1)  # changes parameters, AdamW state and lr in place
     release.set()
     return {"visible_before_written": visible_before_written}  # the script ends with the save pending
 
@@ -187,16 +200,16 @@ def save_then_killed(
         async_save=async_save,
         tensor_parallel_size=tensor_parallel_size,
     )
-    model, optimizer, scheduler = _setup(fabric, empty_init=False)
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
     path = Path(out) / "ckpt"
     state = {"model": model, "optimizer": optimizer, "step": 1}
-    _train(fabric, model, optimizer, scheduler, steps=1)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)
     started = time.monotonic()
     fabric.save(path, state)
     fabric.strategy.wait_for_checkpoint()
     seconds = time.monotonic() - started
     expected_a = full_state(model.module)  # gathers are collectives: every rank takes part
-    _train(fabric, model, optimizer, scheduler, steps=1)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)
     state["step"] = 2
     expected_b = full_state(model.module)
     if fabric.global_rank == 0:
@@ -224,14 +237,14 @@ def fail_writing_on_one_rank(
     from torch.distributed.checkpoint import filesystem
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, async_save=async_save)
-    model, optimizer, scheduler = _setup(fabric, empty_init=False)
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
     path = Path(out) / "ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
     fabric.strategy.wait_for_checkpoint()
     expected = full_state(model.module)
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")
-    _train(fabric, model, optimizer, scheduler, steps=1)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)
     if fabric.global_rank == failing_rank:
 
         def refuse(self: Any, plan: Any, planner: Any) -> Any:

@@ -12,51 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.scenarios.common import batch, build, full_state, logits_of, make_fabric
+from tests.scenarios.checkpoints import full_optimizer_state, setup_training, train_steps
+from tests.scenarios.common import build, full_state, logits_of, make_fabric
 
 KINDS = ("hf", "litgpt")
 TOKENS = torch.arange(2 * 16).remainder(256).view(2, 16)
-
-
-def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """AdamW state of every parameter as full tensors in the model's own layout, keyed by parameter name."""
-    from torch.distributed.tensor import DTensor
-
-    from fabric_hsdp.tensor_parallel import fused_rows_of
-
-    fused = fused_rows_of(model)
-    names = {id(param): name for name, param in model.named_parameters()}
-    state = {}
-    for param, entries in optimizer.state.items():
-        name = names[id(param)]
-        state[name] = {}
-        for key, value in entries.items():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            if name in fused and full.ndim:
-                full = fused[name].to_stored_order(full)
-            state[name][key] = full.detach().cpu().clone()
-    return state
-
-
-def _setup(fabric: Any, kind: str, empty_init: bool, seed: int) -> tuple[Any, Any, Any]:
-    with fabric.init_module(empty_init=empty_init):
-        model = build(kind, seed=seed)
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    return model, optimizer, scheduler
-
-
-def _train(fabric: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
-    kwargs = fabric.strategy.distributed_sampler_kwargs
-    inputs, targets = batch(2 * kwargs["num_replicas"], seed=7)
-    rows = slice(2 * kwargs["rank"], 2 * kwargs["rank"] + 2)
-    for _ in range(2):
-        loss = torch.nn.functional.cross_entropy(logits_of(model, inputs[rows]).flatten(0, 1), targets[rows].flatten())
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
 
 
 def save(
@@ -66,11 +26,11 @@ def save(
     fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size, async_save=async_save)
     facts = {}
     for kind in KINDS:
-        model, optimizer, scheduler = _setup(fabric, kind, empty_init=False, seed=0)
-        _train(fabric, model, optimizer, scheduler)
+        model, optimizer, scheduler = setup_training(fabric, kind, empty_init=False, seed=0)
+        train_steps(fabric, model, optimizer, scheduler, steps=2)
         expected = {
             "model": full_state(model),
-            "optimizer": _full_optimizer_state(model.module, optimizer.optimizer),
+            "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
             "scheduler": scheduler.state_dict(),
         }
         state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": kind}
@@ -94,12 +54,12 @@ def load(
     )
     facts = {}
     for kind in KINDS:
-        model, optimizer, scheduler = _setup(fabric, kind, empty_init=True, seed=99)
+        model, optimizer, scheduler = setup_training(fabric, kind, empty_init=True, seed=99)
         state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
         remainder = fabric.load(Path(out) / f"{kind}-sharded", state)
         expected = torch.load(Path(out) / f"{kind}-expected.pt", weights_only=False)
         actual = full_state(model)
-        actual_optimizer = _full_optimizer_state(model.module, optimizer.optimizer)
+        actual_optimizer = full_optimizer_state(model.module, optimizer.optimizer)
         facts[kind] = {
             "model_equal": {name: torch.equal(actual[name], tensor) for name, tensor in expected["model"].items()},
             "optimizer_equal": {

@@ -1,0 +1,94 @@
+"""``fabric-hsdp plan``: its arguments and what it prints. ``fabric_hsdp.cli`` registers it and reports errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fabric_hsdp.planning.memory import OPTIMIZERS, PRECISION_BYTES
+from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN
+
+PLAN_HELP = """Which shard_size (and tensor_parallel_size) fits a model in device memory with the least traffic
+between nodes.
+
+MODEL: a transformers config.json or its directory, a litgpt model_config.yaml or config name (e.g. Llama-2-7b-hf),
+or any checkpoint fabric-hsdp can open (shapes from its header; no tensor data is read). One row per layout the
+topology accepts: per-device bytes of parameters, gradients, optimizer state, gathered units and activations (an
+estimate), the total against the device memory, and the bytes per step between nodes and within a node.
+"""
+
+
+def plan_parser() -> Any:
+    """The ``plan`` subcommand's parser (jsonargparse; nothing heavy is imported)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(description=PLAN_HELP, exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
+    parser.add_argument("model", type=str, help="config.json (or its directory), litgpt config, or checkpoint")
+    parser.add_argument("--num_nodes", type=int, default=1, help="nodes in the job")
+    parser.add_argument("--devices_per_node", type=int, default=8, help="devices (ranks) per node")
+    parser.add_argument("--device_memory", type=str, default="80GB", help="memory per device, e.g. 80GB or 40GiB")
+    parser.add_argument(
+        "--inter_node_bandwidth", type=str | None, default=None, help="per node, e.g. 400Gbit/s (adds a time column)"
+    )
+    parser.add_argument(
+        "--intra_node_bandwidth", type=str | None, default=None, help="per device, e.g. 450GB/s (adds a time column)"
+    )
+    parser.add_argument("--precision", type=str, default="bf16-mixed", choices=list(PRECISION_BYTES))
+    parser.add_argument("--optimizer", type=str, default="adamw", choices=list(OPTIMIZERS), help="sgd = with momentum")
+    parser.add_argument("--micro_batch_size", type=int, default=1, help="sequences per device per forward")
+    parser.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--activation_checkpointing", type=bool, default=False, help="recompute each layer in backward")
+    parser.add_argument("--cpu_offload", type=bool, default=False, help="sharded state in CPU memory")
+    parser.add_argument(
+        "--reshard_after_forward", type=bool | None, default=None, help="as HybridFSDPStrategy's (default: FSDP2's)"
+    )
+    parser.add_argument(
+        "--tensor_parallel_size", type=int | None, default=None, help="only this TP size (default: all)"
+    )
+    parser.add_argument(
+        "--safety_margin", type=float, default=DEFAULT_SAFETY_MARGIN, help="fraction of memory kept free"
+    )
+    parser.add_argument("--backend", type=str, default="nccl", choices=["nccl", "gloo"], help="collectives' library")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with a 'layouts' list")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return parser
+
+
+def run_plan(args: Any) -> None:
+    """Print the plan for the parsed ``args`` (table or JSON).
+
+    Raises:
+        NoLayoutFitsError: After printing, when no layout fits (the CLI reports it as one line, exit code 2).
+    """
+    from fabric_hsdp.planning.memory import Training, Workload
+    from fabric_hsdp.planning.plan import Cluster, make_plan, no_fit_error
+    from fabric_hsdp.planning.report import plan_dict, plan_table
+    from fabric_hsdp.planning.sources import load_model_shape
+
+    cluster = Cluster(
+        num_nodes=args.num_nodes,
+        devices_per_node=args.devices_per_node,
+        device_memory=args.device_memory,
+        inter_node_bandwidth=args.inter_node_bandwidth,
+        intra_node_bandwidth=args.intra_node_bandwidth,
+        backend=args.backend,
+    )
+    training = Training(
+        precision=args.precision,
+        workload=Workload(args.micro_batch_size, args.seq_len, args.optimizer),
+        activation_checkpointing=args.activation_checkpointing,
+        cpu_offload=args.cpu_offload,
+        reshard_after_forward=args.reshard_after_forward,
+    )
+    sizes = None if args.tensor_parallel_size is None else [args.tensor_parallel_size]
+    plan = make_plan(load_model_shape(args.model), cluster, training, args.safety_margin, sizes)
+    error = no_fit_error(plan, args.tensor_parallel_size) if plan.recommended is None else None
+    if args.json:
+        document = plan_dict(plan)
+        document["error"] = None if error is None else str(error)
+        print(json.dumps(document, indent=2))
+    else:
+        print(plan_table(plan))
+    if error is not None:
+        raise error

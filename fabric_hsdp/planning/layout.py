@@ -1,0 +1,73 @@
+"""The layouts a cluster allows, and the rank groups of each: ``Topology`` objects, as the strategy builds them.
+
+A layout is a :class:`~fabric_hsdp.topology.Topology`: ``shard_size`` ranks hold one copy of the model, tensor
+parallelism splits it ``T`` ways and FSDP ``S = shard_size / T`` ways, ``R = world / shard_size`` replicas; the
+mesh is ``(replicate, shard[, tensor])`` with tensor innermost, global rank ``(r S + s) T + t``. The planner asks
+``Topology.resolve`` which layouts exist, so it never offers one the strategy would refuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fabric_hsdp.topology import Topology
+
+
+def candidate_layouts(
+    num_nodes: int, ranks_per_node: int, tensor_parallel_sizes: list[int] | None = None
+) -> list[Topology]:
+    """Every layout ``Topology.resolve`` accepts, by shard size then tensor-parallel size.
+
+    Args:
+        tensor_parallel_sizes: Only these TP sizes (default: every divisor of ``ranks_per_node``).
+    """
+    if num_nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"num_nodes({num_nodes}) and devices per node({ranks_per_node}) must be positive.")
+    world = num_nodes * ranks_per_node
+    sizes = tensor_parallel_sizes or [t for t in range(1, ranks_per_node + 1) if ranks_per_node % t == 0]
+    layouts = []
+    for shard_size in (d for d in range(1, world + 1) if world % d == 0):
+        for tensor in sizes:
+            try:
+                layouts.append(Topology.resolve(shard_size, num_nodes, ranks_per_node, world, tensor))
+            except ValueError:
+                continue  # the strategy would refuse it too
+    return layouts
+
+
+def rank_groups(topology: Topology, dim: str) -> Iterator[list[int]]:
+    """The rank groups along mesh dim ``dim`` ('replicate', 'shard' = FSDP, 'tensor'), each in ring order."""
+    replicas, fsdp, tensor = topology.replicate_size, topology.fsdp_size, topology.tensor_parallel_size
+
+    def rank(r: int, s: int, t: int) -> int:
+        return (r * fsdp + s) * tensor + t
+
+    if dim == "shard":
+        for r in range(replicas):
+            for t in range(tensor):
+                yield [rank(r, s, t) for s in range(fsdp)]
+    elif dim == "replicate":
+        for s in range(fsdp):
+            for t in range(tensor):
+                yield [rank(r, s, t) for r in range(replicas)]
+    elif dim == "tensor":
+        for r in range(replicas):
+            for s in range(fsdp):
+                yield [rank(r, s, t) for t in range(tensor)]
+    else:
+        raise ValueError(f"mesh dim {dim!r} is not one of 'replicate', 'shard', 'tensor'")
+
+
+def describe(topology: Topology) -> str:
+    """One line, e.g. ``shard_size=8 (one node), mesh (2, 8)``."""
+    if topology.shard_size == topology.world_size:
+        span = "all ranks"
+    elif topology.shard_size >= topology.ranks_per_node:
+        nodes = topology.shard_size // topology.ranks_per_node
+        span = "one node" if nodes == 1 else f"{nodes} nodes"
+    else:
+        span = f"{topology.shard_size} of a node's {topology.ranks_per_node} ranks"
+    tensor = topology.tensor_parallel_size
+    return f"shard_size={topology.shard_size} ({span}){f', tensor_parallel_size={tensor}' if tensor > 1 else ''}" + (
+        f", mesh {topology.mesh_shape}"
+    )

@@ -1,0 +1,244 @@
+"""Bytes per device of one layout: the sharded training state, the gathered units, and (an estimate) activations.
+
+Sharded state, exact up to the allocator: FSDP2 splits each parameter's dim 0 (after tensor parallelism split its
+own dim ``T`` ways) into ``S`` chunks of ``ceil(rows / S)`` rows; the device holding the first chunk holds the most.
+Parameters and gradients take the state dtype (fp32 under mixed precision), AdamW two moments in that dtype plus a
+4-byte step counter per parameter tensor, SGD (with momentum) one buffer.
+
+Gathered units: the root unit (embeddings, final norm, output head) stays gathered from the start of forward to the
+end of backward; two layers are gathered at a time (the one computing and the one prefetched); in backward the
+output head's unsharded gradient lives until the root unit reduces its gradients, and each layer's unsharded
+gradients (compute dtype) get a copy in the reduce dtype for the reduce-scatter.
+
+The total is the peak, not the sum of the columns: activations peak at the start of backward, before any gradient
+exists (gradients are freed by ``zero_grad()``), and gradients are complete at its end, when the activations are
+gone. So ``total = parameters + optimizer + max(activations + gathered, gradients + root unit and its gradient
+buffers, gradients + optimizer-step temporaries)``; the step temporaries are one tensor per parameter shard for
+foreach AdamW (``sqrt`` of the second moment).
+
+Activations are an estimate, per token of the micro-batch, for a Llama-style block with fused (flash or
+memory-efficient) attention, in bytes: ``b_a (2h + (5h + 2 kv + 4 i) / T) + 2 h max(b_a, 4)`` per layer (the last
+term: the norms' fp32 copies); the output head and the loss ``V (b_a + 8)`` (logits, fp32 log-probabilities and
+their gradient). With activation checkpointing each layer keeps only its input, ``h b_a``, and one layer is
+recomputed at a time. Measured against autograd's saved tensors for this repository's tiny Llama, transformers'
+``LlamaDecoderLayer`` and litgpt's ``Block`` (docs/concepts.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims
+
+Optimizer = Literal["adamw", "sgd", "none"]
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "none")
+# Fabric precision -> bytes of (sharded state, compute and gathers, gradient reduction)
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    "32-true": (4, 4, 4),
+    "bf16-mixed": (4, 2, 4),
+    "16-mixed": (4, 2, 4),
+    "bf16-true": (2, 2, 2),
+    "16-true": (2, 2, 2),
+    "64-true": (8, 8, 8),
+}
+_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true", "half": "16-true"}
+_OPTIMIZER_BUFFERS = {"adamw": 2, "sgd": 1, "none": 0}
+_ADAM_STEP_BYTES = 4  # torch's AdamW keeps a float32 scalar `step` per parameter tensor
+
+
+def validate_precision(precision: str) -> str:
+    """Fabric's precision string, canonical (``"bf16"`` -> ``"bf16-mixed"``).
+
+    Raises:
+        ValueError: Not one of the precisions ``HybridFSDPStrategy`` supports.
+    """
+    precision = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision={precision!r} is not supported; choose one of: {', '.join(PRECISION_BYTES)}.")
+    return precision
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes on each device: the micro-batch and the optimizer.
+
+    Attributes:
+        micro_batch_size: Sequences per device (per tensor-parallel group) per forward/backward.
+        seq_len: Tokens per sequence.
+        optimizer: ``"adamw"`` (two moments), ``"sgd"`` (SGD with momentum: one buffer) or ``"none"`` (no state,
+            e.g. SGD without momentum).
+    """
+
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    optimizer: Optimizer = "adamw"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is not known; choose one of: {', '.join(OPTIMIZERS)}.")
+        for name in ("micro_batch_size", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the model is trained: precision, workload and the strategy's memory options."""
+
+    precision: str = "bf16-mixed"
+    workload: Workload = field(default_factory=Workload)
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    reshard_after_forward: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", validate_precision(self.precision))
+
+    @property
+    def state_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision][0]
+
+    @property
+    def compute_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision][1]
+
+    @property
+    def reduce_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision][2]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device; ``total`` is the peak (see the module docstring). ``host``: kept in CPU memory instead.
+
+    Attributes:
+        parameters: Sharded parameters.
+        gradients: Sharded gradients (complete at the end of backward).
+        optimizer: Optimizer state of the sharded parameters.
+        gathered: Unsharded parameters and gradients at the start of backward: the root unit, two layers, the output
+            head's gradient and one layer's gradient buffers.
+        activations: Activations at the start of backward (an estimate).
+        end_of_backward: Unsharded root unit and its gradient buffers at the end of backward.
+        step_temporaries: Temporaries of the optimizer step (foreach AdamW: one tensor per parameter shard).
+        host: Parameters, gradients and optimizer state in CPU memory with ``cpu_offload``.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    gathered: int
+    activations: int
+    end_of_backward: int = 0
+    step_temporaries: int = 0
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        """The peak: parameters and optimizer state, plus the largest of three moments' transient memory."""
+        start = self.activations + self.gathered
+        end = self.gradients + self.end_of_backward
+        step = self.gradients + self.step_temporaries
+        return self.parameters + self.optimizer + max(start, end, step)
+
+
+def local_numel(parameter: ParameterShape, fsdp_size: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(elements of the largest local shard, elements of the padded unsharded TP-local tensor)."""
+    shape = list(parameter.shape) or [1]
+    if parameter.tensor_parallel_dim is not None and tensor_parallel_size > 1:
+        shape[parameter.tensor_parallel_dim] //= tensor_parallel_size
+    rows = math.ceil(shape[0] / fsdp_size)
+    rest = math.prod(shape[1:])
+    return rows * rest, rows * fsdp_size * rest
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """Elements of one FSDP unit under a layout: its largest local shard, unsharded (padded), the largest tensor."""
+
+    local: int
+    unsharded: int
+    largest_tensor: int
+    tensors: int
+
+
+def unit_sizes(model: ModelShape, fsdp_size: int, tensor_parallel_size: int) -> dict[str, UnitSize]:
+    """Per FSDP unit ('' = root), the elements a device holds and gathers (computed once per distinct unit)."""
+    key = ("unit_sizes", fsdp_size, tensor_parallel_size)
+    if key not in model.cache:
+        by_signature: dict[tuple, UnitSize] = {}
+        sizes = {}
+        for unit, parameters in model.units().items():
+            signature = tuple((p.shape, p.tensor_parallel_dim) for p in parameters)
+            if signature not in by_signature:
+                numels = [local_numel(p, fsdp_size, tensor_parallel_size) for p in parameters]
+                by_signature[signature] = UnitSize(
+                    local=sum(local for local, _ in numels),
+                    unsharded=sum(padded for _, padded in numels),
+                    largest_tensor=max((padded for _, padded in numels), default=0),
+                    tensors=len(parameters),
+                )
+            sizes[unit] = by_signature[signature]
+        model.cache[key] = sizes
+    return model.cache[key]
+
+
+def memory_per_device(model: ModelShape, training: Training, fsdp_size: int, tensor_parallel_size: int) -> Memory:
+    """Bytes per device for a layout with FSDP degree ``fsdp_size`` and TP degree ``tensor_parallel_size``."""
+    sizes = unit_sizes(model, fsdp_size, tensor_parallel_size)
+    sharded = sum(size.local for size in sizes.values())
+    tensors = sum(size.tensors for size in sizes.values())
+    unsharded = {unit: size.unsharded for unit, size in sizes.items()}
+    largest_root = sizes[""].largest_tensor
+    compute, reduce = training.compute_bytes, training.reduce_bytes
+    optimizer = training.workload.optimizer
+    state = sharded * training.state_bytes
+    optimizer_bytes = _OPTIMIZER_BUFFERS[optimizer] * state + (
+        _ADAM_STEP_BYTES * tensors if optimizer == "adamw" else 0
+    )
+    layers = [numel for unit, numel in unsharded.items() if unit]
+    largest_layer = max(layers, default=0)
+    if training.reshard_after_forward is False:
+        gathered = sum(unsharded.values())
+    else:
+        gathered = unsharded[""] + min(2, len(layers)) * largest_layer
+    # the output head's gradient is unsharded from the start of backward until the root unit reduces its gradients
+    gathered_bytes = gathered * compute + largest_root * compute + largest_layer * (compute + reduce)
+    end_of_backward = unsharded[""] * (2 * compute + reduce)
+    offloaded = training.cpu_offload
+    return Memory(
+        parameters=0 if offloaded else state,
+        gradients=0 if offloaded else state,
+        optimizer=0 if offloaded else optimizer_bytes,
+        gathered=gathered_bytes,
+        activations=activation_bytes(model, training, tensor_parallel_size),
+        end_of_backward=end_of_backward,
+        step_temporaries=state if optimizer == "adamw" and not offloaded else 0,
+        host=2 * state + optimizer_bytes if offloaded else 0,
+    )
+
+
+def activation_bytes(model: ModelShape, training: Training, tensor_parallel_size: int = 1) -> int:
+    """Estimated peak activation bytes per device for one micro-batch (see the module docstring)."""
+    dims = model.dims
+    tokens = training.workload.tokens
+    layer = tokens * layer_activation_bytes_per_token(dims, training.compute_bytes, tensor_parallel_size)
+    head = tokens * dims.vocab_size * (training.compute_bytes + 8)
+    if training.activation_checkpointing:
+        saved = dims.num_layers * tokens * dims.hidden_size * training.compute_bytes + (layer if dims.num_layers else 0)
+    else:
+        saved = dims.num_layers * layer
+    return int(saved + head)
+
+
+def layer_activation_bytes_per_token(dims: TransformerDims, element_bytes: int, tensor_parallel_size: int = 1) -> float:
+    """What one Llama-style block keeps for backward per token: ``b_a (2h + (5h + 2kv + 4i) / T) + 2h max(b_a, 4)``."""
+    hidden, kv, inner = dims.hidden_size, dims.kv_size, dims.intermediate_size
+    split = (5 * hidden + 2 * kv + 4 * inner) / tensor_parallel_size
+    return element_bytes * (2 * hidden + split) + 2 * hidden * max(element_bytes, 4)
