@@ -82,6 +82,8 @@ MODES = {"hsdp": ("node", 1), "fsdp": ("world", 1), "hsdp-tp": ("node", TENSOR_P
 MODE_LABELS = {"hsdp": "HSDP", "fsdp": "FSDP", "hsdp-tp": "HSDP+TP"}
 MASTER_PORT = 29431
 CALIBRATION_BYTES = 8 << 20
+# Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes per packet the veth counts (a GSO packet counts once)
+HEADER_BYTES = 66
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,6 +319,11 @@ def veth_bytes(veth: str) -> int:
     return int((statistics / "tx_bytes").read_text()) + int((statistics / "rx_bytes").read_text())
 
 
+def veth_packets(veth: str) -> int:
+    statistics = Path("/sys/class/net") / veth / "statistics"
+    return int((statistics / "tx_packets").read_text()) + int((statistics / "rx_packets").read_text())
+
+
 def loopback_bytes() -> int:
     """Bytes this namespace's loopback carried (tx only: each byte sent on ``lo`` is also received on it)."""
     return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
@@ -358,10 +365,11 @@ def read_between_barriers(veth: str, barrier: Any) -> int:
     return counters_between_barriers(veth, barrier)[0]
 
 
-def counters_between_barriers(veth: str, barrier: Any) -> tuple[int, int]:
-    """``(veth tx + rx, loopback tx)`` of this namespace, read as :func:`read_between_barriers` does."""
+def counters_between_barriers(veth: str, barrier: Any) -> tuple[int, int, int]:
+    """``(veth tx + rx bytes, loopback tx bytes, veth tx + rx packets)`` of this namespace, read as
+    :func:`read_between_barriers` does."""
     barrier()
-    counts = veth_bytes(veth), loopback_bytes()
+    counts = veth_bytes(veth), loopback_bytes(), veth_packets(veth)
     barrier()
     return counts
 
@@ -407,16 +415,19 @@ def run_rank(spec: dict[str, Any]) -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    def measure(steps: int) -> tuple[float, float, float]:
-        (veth_before, lo_before), started = counters_between_barriers(veth, fabric.barrier), time.perf_counter()
+    def measure(steps: int) -> tuple[float, float, float, float]:
+        before, started = counters_between_barriers(veth, fabric.barrier), time.perf_counter()
         for _ in range(steps):
             train_step()
-        veth_after, lo_after = counters_between_barriers(veth, fabric.barrier)
+        after = counters_between_barriers(veth, fabric.barrier)
         seconds = (time.perf_counter() - started) / steps
-        return (veth_after - veth_before) / steps, seconds, (lo_after - lo_before) / steps
+        veth_bytes_, loopback, packets = ((a - b) / steps for a, b in zip(after, before))
+        return veth_bytes_, seconds, loopback, packets
 
     train_step()  # warm-up: FSDP2's lazy init, gloo pair connections, allocator
-    report["bytes_per_step"], report["seconds_per_step"], report["intra_node_bytes_per_step"] = measure(spec["steps"])
+    measured = measure(spec["steps"])
+    report["bytes_per_step"], report["seconds_per_step"] = measured[:2]
+    report["intra_node_bytes_per_step"], report["packets_per_step"] = measured[2:]
     if spec["rate"]:
         if fabric.local_rank == 0:
             subprocess.run(tbf_command(veth, spec["rate"]), check=True, capture_output=True)
@@ -695,6 +706,18 @@ def report(
             f" which TP leaves whole on both peers, are all-reduced by each peer where HSDP shards them:"
             f" +{_mb(norms)} per step"
         )
+        if all("packets_per_step" in results[mode] for mode in ("hsdp", "hsdp-tp")):
+            payload = {
+                mode: results[mode]["bytes_per_step"] - HEADER_BYTES * results[mode]["packets_per_step"]
+                for mode in ("hsdp", "hsdp-tp")
+            }
+            summary.update(tp_payload_ratio=payload["hsdp-tp"] / payload["hsdp"])
+            print(
+                f"  less {HEADER_BYTES} B of Ethernet/IP/TCP headers per packet counted (ACKs are all header):"
+                f" HSDP {_mb(payload['hsdp'])} ({results['hsdp']['packets_per_step']:,.0f} packets),"
+                f" HSDP+TP {_mb(payload['hsdp-tp'])} ({results['hsdp-tp']['packets_per_step']:,.0f} packets):"
+                f" {payload['hsdp-tp'] / payload['hsdp']:.4f}"
+            )
     if "hsdp-tp" in results and "fsdp" in results:
         ratio = results["hsdp-tp"]["bytes_per_step"] / results["fsdp"]["bytes_per_step"]
         theory = sum(theories["hsdp-tp"].values()) / sum(theories["fsdp"].values())
