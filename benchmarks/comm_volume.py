@@ -739,11 +739,13 @@ def report(
                     f"  step time {MODE_LABELS[other]} / HSDP+TP: {unlimited:.2f}x unlimited, {limited:.2f}x at {rate}"
                     f" ({limited_steps} steps)"
                 )
-    print(
-        "  load average (1 min) at the start and end of each launch: "
-        + ", ".join(f"{mode} {a:.1f}/{b:.1f}" for mode, (a, b) in ((m, r["load_average"]) for m, r in results.items()))
-        + f" on {os.cpu_count()} cores"
-    )
+    loads = {mode: result["load_average"] for mode, result in results.items() if "load_average" in result}
+    if loads:
+        print(
+            "  load average (1 min) at the start and end of each launch: "
+            + ", ".join(f"{mode} {start:.1f}/{end:.1f}" for mode, (start, end) in loads.items())
+            + f" on {os.cpu_count()} cores"
+        )
     if json_path is not None:
         json_path.write_text(
             json.dumps(
