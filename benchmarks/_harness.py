@@ -1,5 +1,6 @@
-"""Shared by ``checkpoint_io.py`` and ``load_memory.py``: launch 2 simulated nodes x 2 CPU ranks, build the same
-LLaMA-shaped model under our strategy or Lightning's ``ModelParallelStrategy``, control the page cache, time the disk.
+"""Shared by ``checkpoint_io.py``, ``load_memory.py`` and ``tp_overhead.py``: launch 2 simulated nodes x 2 CPU ranks,
+build the same LLaMA-shaped model under our strategy or Lightning's ``ModelParallelStrategy``, control the page cache,
+time the disk.
 
 Ranks are real processes started by ``tests/helpers/launch.py`` (gloo, the environment Lightning's launchers set, a
 timeout, every rank ended as soon as one fails). A rank runs ``module:function`` of a benchmark script and returns a
@@ -32,6 +33,7 @@ VARIANT_NAMES = {
     "ours": "HybridFSDPStrategy",
     "lightning": "Lightning MP (FSDP over dp=4)",
     "lightning-hsdp": "Lightning MP (HSDP, 2-D mesh)",
+    "lightning-tp": "Lightning MP (dp=2 x tp=2, user parallelize_fn)",
 }
 
 
@@ -139,6 +141,35 @@ def lightning_parallelize_hsdp(model: Any, device_mesh: Any) -> Any:
     return _fully_shard_layers_and_root(model, device_mesh)
 
 
+def llama_tp_plan() -> dict[str, Any]:
+    """``examples/tiny_llama.Llama._tp_plan`` translated to torch's styles by hand, as a user would write it for
+    ``parallelize_module`` (our ``tensor_parallel_plan="auto"`` does this translation itself)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def lightning_parallelize_tp(model: Any, device_mesh: Any) -> Any:
+    """A user's ``parallelize_fn`` for ``ModelParallelStrategy`` with tensor parallelism, torchtitan's order:
+    ``parallelize_module`` with the LLaMA plan on the tensor-parallel mesh, then ``fully_shard`` each layer and the
+    root over the data-parallel mesh."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, device_mesh["tensor_parallel"], llama_tp_plan())
+    return _fully_shard_layers_and_root(model, device_mesh["data_parallel"])
+
+
 def _fully_shard_layers_and_root(model: Any, mesh: Any) -> Any:
     from torch.distributed.fsdp import fully_shard
 
@@ -149,7 +180,9 @@ def _fully_shard_layers_and_root(model: Any, mesh: Any) -> Any:
 
 
 def make_fabric(variant: str, num_nodes: int, devices: int, **strategy_kwargs: Any) -> Any:
-    """A launched ``Fabric`` on CPU with our strategy (``"ours"``) or Lightning's ``ModelParallelStrategy``."""
+    """A launched ``Fabric`` on CPU with our strategy (``"ours"``) or Lightning's ``ModelParallelStrategy``
+    (``"lightning"``: FSDP over all ranks; ``"lightning-hsdp"``: its 2-D mesh as HSDP; ``"lightning-tp"``: tensor
+    parallelism of 2 inside a node and FSDP across nodes, through :func:`lightning_parallelize_tp`)."""
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
 
@@ -166,6 +199,16 @@ def make_fabric(variant: str, num_nodes: int, devices: int, **strategy_kwargs: A
         # same topology and shard size as ours, replicas kept in sync by FSDP2's all-reduce over dim 0.
         strategy_kwargs = {"data_parallel_size": num_nodes, "tensor_parallel_size": devices, **strategy_kwargs}
         strategy = ModelParallelStrategy(parallelize_fn=lightning_parallelize_hsdp, **strategy_kwargs)
+    elif variant == "lightning-tp":
+        # Lightning's mesh (data_parallel, tensor_parallel) = (nodes, 2): tensor-parallel peers on one node, FSDP
+        # across the nodes (Lightning has no replicate dim).
+        tensor_parallel_size = strategy_kwargs.pop("tensor_parallel_size", 2)
+        strategy_kwargs = {
+            "data_parallel_size": num_nodes * devices // tensor_parallel_size,
+            "tensor_parallel_size": tensor_parallel_size,
+            **strategy_kwargs,
+        }
+        strategy = ModelParallelStrategy(parallelize_fn=lightning_parallelize_tp, **strategy_kwargs)
     else:
         strategy = HybridFSDPStrategy(**strategy_kwargs)
     fabric = L.Fabric(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy)

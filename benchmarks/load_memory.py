@@ -14,7 +14,19 @@ each variant runs in fresh processes: build the model under ``fabric.init_module
 * ``turns-legacy``: ``load_mode="turns"`` on the same state dict saved in torch's legacy (non-zip) format, the case
   turns exist for: such a file cannot be read piecewise, so each reader holds all of it during its turn;
 * ``lightning-hsdp`` (only with ``--variants``): Lightning's ``load_raw`` with ``fully_shard`` over its whole 2 x 2
-  mesh (HSDP, our topology).
+  mesh (HSDP, our topology);
+* ``slice-tp``: ``HybridFSDPStrategy(tensor_parallel_size=2)`` (plan ``"auto"``, the model's ``_tp_plan``), mesh
+  ``(replicate, shard, tensor) = (2, 1, 2)``: each node holds one copy of the model, split by tensor parallelism
+  between its 2 ranks, the same shard size per rank as the TP=1 ``slice`` row (a user adding one argument), so the
+  two rows differ only in the boxes a rank reads (half the columns of the row-wise ``wo``/``w2``, half the rows of
+  the rest); ``fabric.load_raw(path, model)`` in slice mode;
+* ``lightning-tp``: Lightning's ``ModelParallelStrategy(parallelize_fn, data_parallel_size=2,
+  tensor_parallel_size=2)`` with a user ``parallelize_fn`` (``parallelize_module`` with the same plan written with
+  torch's styles, then ``fully_shard`` of each layer and the root on the data-parallel mesh) and its
+  ``fabric.load_raw(path, model)``. Lightning has no replicate dim: its ranks hold a quarter of the model each, ours
+  (``slice-tp``) half, so ours reads twice the bytes per rank;
+* ``slice-tp-world`` (only with ``--variants``): ``slice-tp`` with ``shard_size="world"``, mesh ``(1, 2, 2)``: the
+  same layout as ``lightning-tp`` (FSDP across the nodes over the TP-split tensors, ``_StridedShard`` placements).
 
 Memory, per rank, relative to the process's own value just before the load call: a background thread reads
 ``/proc/self/status`` every 5 ms (``RssAnon``, ``RssFile``, ``RssShmem``); "peak anon" is the largest ``RssAnon``
@@ -23,12 +35,14 @@ as long as the sampler gets the GIL, which the loaders release in their reads an
 plus file pages, e.g. an mmap of the checkpoint) is exact: ``VmHWM`` after writing ``5`` to ``/proc/self/clear_refs``
 just before the load, minus ``VmRSS`` then; the sampled anon+file+shmem peak is printed next to it to show how
 closely the sampler tracks the true peak. The page cache is dropped before each variant (root only) so reads are
-cold. Every load is checked value-exact against the file afterwards.
+cold. Every load is checked value-exact against the file afterwards, twice: each rank's local shard against the
+file's box for it (``local_box``), and every tensor gathered whole (``DTensor.full_tensor()``, torch's own
+redistribution, independent of our box arithmetic) against the file's tensor.
 
 Targets:
 
 * ``slice``: peak anon per rank <= 1.1 x its own shard + the largest tensor + 96 MiB; wall time (slowest rank)
-  <= 0.5 x Lightning's.
+  <= 0.5 x Lightning's. The same for ``slice-tp`` (and ``slice-tp-world``) against ``lightning-tp``.
 * ``turns`` (and ``turns-legacy``): never more than one reader's copy per node: the ranks of a node read one after
   another (their read intervals, recorded around our ``_load_slices``, do not overlap) and the node's summed anon
   above baseline, over time, stays within the largest single rank's peak (+10% + 8 MiB for sampling jitter). The
@@ -44,6 +58,7 @@ import bisect
 import gc
 import math
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -80,8 +95,18 @@ VARIANTS = {
     "naive": ("naive torch.load", "ours", None, "zip"),
     "turns-legacy": ("ours turns, legacy file", "ours", "turns", "legacy"),
     "lightning-hsdp": ("Lightning-HSDP load_raw", "lightning-hsdp", None, "zip"),
+    "slice-tp": ("ours slice TP=2", "ours", "slice", "zip"),
+    "lightning-tp": ("Lightning load_raw TP=2", "lightning-tp", None, "zip"),
+    "slice-tp-world": ("ours slice TP=2 (1,2,2)", "ours", "slice", "zip"),
 }
-DEFAULT_VARIANTS = ("slice", "turns", "rank0", "lightning", "naive", "turns-legacy")
+# Our strategy's arguments besides load_mode, per variant
+STRATEGY_OPTIONS: dict[str, dict[str, Any]] = {
+    "slice-tp": {"tensor_parallel_size": 2},
+    "slice-tp-world": {"tensor_parallel_size": 2, "shard_size": "world"},
+}
+# Variants with the memory and time targets -> the Lightning variant their time is compared with
+TARGETS = {"slice": "lightning", "slice-tp": "lightning-tp", "slice-tp-world": "lightning-tp"}
+DEFAULT_VARIANTS = ("slice", "turns", "rank0", "lightning", "naive", "turns-legacy", "slice-tp", "lightning-tp")
 SAMPLE_SECONDS = 0.005
 
 
@@ -162,6 +187,21 @@ def _check_against_file(path: str, model: Any) -> list[str]:
     return wrong
 
 
+def _check_gathered(path: str, model: Any) -> list[str]:
+    """Names of the model tensors that, gathered whole by DTensor (a collective: every rank calls this), differ from
+    the file's tensor."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    expected = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+    wrong = []
+    for name, tensor in getattr(model, "module", model).state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if name not in expected or not torch.equal(full, expected[name]):
+            wrong.append(name)
+    return wrong
+
+
 def load_and_measure(
     variant: str, path: str, reference: str, millions: float, num_nodes: int, devices: int
 ) -> dict[str, Any]:
@@ -171,7 +211,10 @@ def load_and_measure(
 
     _, strategy, load_mode, _ = VARIANTS[variant]
     options = {"load_mode": load_mode} if load_mode else {}
+    options.update(STRATEGY_OPTIONS.get(variant, {}))
     fabric = make_fabric(strategy, num_nodes, devices, **options)
+    mesh = fabric.strategy.device_mesh
+    mesh_text = f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
     model = build_model(fabric, strategy, millions)
     tensors = getattr(model, "module", model).state_dict().values()
     shard = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
@@ -194,6 +237,7 @@ def load_and_measure(
     after = read_status()
     fabric.barrier()
     wrong = _check_against_file(reference, model)
+    wrong_gathered = _check_gathered(reference, model)
     release(fabric, [model])
     if not reads:
         reads = [(started, ended)]
@@ -212,6 +256,8 @@ def load_and_measure(
         "samples": [(t, anon - before["RssAnon"]) for t, anon, _ in sampler.samples],
         "reads": reads,
         "wrong": wrong,
+        "wrong_gathered": wrong_gathered,
+        "mesh": mesh_text,
     }
 
 
@@ -279,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but lightning-hsdp)",
     )
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache before each variant")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the variants this many times, in reverse order every other time; wall times are medians over the"
+        " repeats, the per-rank table shows each variant's repeat with the highest peak anon (default 1)",
+    )
     parser.add_argument("--timeout", type=float, help="seconds per variant before its ranks are killed")
     parser.add_argument("--dir", default="/tmp", help="where the temporary directory goes (default /tmp)")
     args = parser.parse_args(argv)
@@ -301,23 +354,28 @@ def main(argv: list[str] | None = None) -> int:
             f" the same with _use_new_zipfile_serialization=False); model {describe_config(args.millions)}"
         )
         print(f"machine: {machine_load()} (start)")
-        results: dict[str, list[dict[str, Any]]] = {}
+        runs: dict[str, list[list[dict[str, Any]]]] = {variant: [] for variant in variants}
         cold: dict[str, bool] = {}
-        for variant in variants:
-            cold[variant] = False if args.warm else drop_page_cache()
-            results[variant] = run_ranks(
-                RANK_FUNCTION,
-                {
-                    "variant": variant,
-                    "path": str(files[VARIANTS[variant][3]]),
-                    "reference": str(path),
-                    "millions": args.millions,
-                },
-                timeout=timeout,
-                out_dir=work / f"launch-{variant}",
-            )
+        for repeat in range(args.repeat):
+            for variant in variants if repeat % 2 == 0 else list(reversed(variants)):
+                cold[variant] = (False if args.warm else drop_page_cache()) and cold.get(variant, True)
+                runs[variant].append(
+                    run_ranks(
+                        RANK_FUNCTION,
+                        {
+                            "variant": variant,
+                            "path": str(files[VARIANTS[variant][3]]),
+                            "reference": str(path),
+                            "millions": args.millions,
+                        },
+                        timeout=timeout,
+                        out_dir=work / f"launch-{variant}-{repeat}",
+                    )
+                )
+            if args.repeat > 1:
+                print(f"machine: {machine_load()} (after repeat {repeat + 1} of {args.repeat})")
         print(f"machine: {machine_load()} (end)")
-        return _report(results, cold, largest)
+        return _report(runs, cold, largest)
     except VariantFailed as error:
         print(f"FAILED: {error}", file=sys.stderr)
         return 1
@@ -325,12 +383,22 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _report(results: dict[str, list[dict[str, Any]]], cold: dict[str, bool], largest: int) -> int:
+def _highest_peak(ranks: list[dict[str, Any]]) -> int:
+    return max(rank["peak_anon"] for rank in ranks)
+
+
+def _report(runs: dict[str, list[list[dict[str, Any]]]], cold: dict[str, bool], largest: int) -> int:
     if all(cold.values()):
         print("page cache: dropped before every variant (cold reads)")
     else:
         print(f"page cache: dropped before {[v for v, c in cold.items() if c]} only; the others read warm")
-    wall = {variant: max(rank["seconds"] for rank in ranks) for variant, ranks in results.items()}
+    repeats = max(len(ranks_per_run) for ranks_per_run in runs.values())
+    # a run's wall time is its slowest rank's; with repeats, the median over them
+    walls = {variant: [max(rank["seconds"] for rank in ranks) for ranks in runs_] for variant, runs_ in runs.items()}
+    wall = {variant: statistics.median(values) for variant, values in walls.items()}
+    results = {variant: max(runs_, key=_highest_peak) for variant, runs_ in runs.items()}
+    if repeats > 1:
+        print(f"{repeats} repeats: per-rank rows are each variant's repeat with the highest peak anon")
     lightning_wall = wall.get("lightning")
     print(
         f"\n{'variant':<24}{'rank':>5}{'load s':>8}{'anon before':>12}{'peak anon':>11}{'anon after':>11}"
@@ -342,7 +410,7 @@ def _report(results: dict[str, list[dict[str, Any]]], cold: dict[str, bool], lar
         for rank_index, rank in enumerate(ranks):
             verdict = ""
             retained = rank["after"]["RssAnon"] - rank["before"]["RssAnon"]
-            if variant == "slice":  # targets are for the default file
+            if variant in TARGETS:  # targets are for the default file
                 budget = 1.1 * rank["shard"] + largest + 96 * MIB
                 passed = rank["peak_anon"] <= budget
                 verdict = f"peak anon <= 1.1 x shard + largest + 96 MiB = {budget / MIB:.0f} MiB: "
@@ -353,22 +421,47 @@ def _report(results: dict[str, list[dict[str, Any]]], cold: dict[str, bool], lar
                 f"{rank['peak_rss'] / MIB:>9.0f}M"
                 f"{rank['peak_sampled_total'] / MIB:>9.0f}M{rank['shard'] / MIB:>7.0f}M  {verdict}"
             )
-            if rank["wrong"]:
-                ok = False
-                print(f"FAILED: {VARIANTS[variant][0]} rank {rank_index} loaded wrong values into {rank['wrong'][:3]}")
+        for repeat, ranks_of_run in enumerate(runs[variant]):
+            for rank_index, rank in enumerate(ranks_of_run):
+                if rank["wrong"]:
+                    ok = False
+                    print(
+                        f"FAILED: {label} (repeat {repeat + 1}) rank {rank_index} loaded wrong values into"
+                        f" {rank['wrong'][:3]}"
+                    )
+                if rank["wrong_gathered"]:
+                    ok = False
+                    print(
+                        f"FAILED: {label} (repeat {repeat + 1}), gathered on rank {rank_index}: tensors differ from"
+                        f" the file: {rank['wrong_gathered'][:3]}"
+                    )
     print(
         "(MiB; peak anon, anon after and peak RSS are over the rank's own value just before the load; peak RSS counts"
         " file pages too, (sampled) is the thread's view of it; 'load s' is the call)"
     )
 
-    print(f"\n{'variant':<24}{'wall s':>8}{'vs Lightning':>14}  target")
+    print(
+        "all loads value-exact (each rank's shard against its box of the file, and every tensor gathered whole)"
+        if ok
+        else "some loads were NOT value-exact (above)"
+    )
+
+    tensor_parallel_wall = wall.get("lightning-tp")
+    print(f"\n{'variant':<24}{'wall s':>8}{'vs Lightning':>14}{'vs Lightning TP=2':>19}  mesh / target")
     for variant, seconds in wall.items():
         ratio = seconds / lightning_wall if lightning_wall else float("nan")
-        verdict = ""
-        if variant == "slice" and lightning_wall:
-            verdict = f"<= 0.5 x Lightning: {'pass' if ratio <= 0.5 else 'MISS'}"
-        print(f"{VARIANTS[variant][0]:<24}{seconds:>8.2f}{ratio:>13.2f}x  {verdict}")
-    print("(wall s: the slowest rank's load call)")
+        tensor_parallel_ratio = seconds / tensor_parallel_wall if tensor_parallel_wall else float("nan")
+        verdict = results[variant][0]["mesh"]
+        anchor = TARGETS.get(variant)
+        if anchor and wall.get(anchor):
+            anchor_ratio = seconds / wall[anchor]
+            verdict += f"; <= 0.5 x {VARIANTS[anchor][0]}: {'pass' if anchor_ratio <= 0.5 else 'MISS'}"
+        print(f"{VARIANTS[variant][0]:<24}{seconds:>8.2f}{ratio:>13.2f}x{tensor_parallel_ratio:>18.2f}x  {verdict}")
+    if repeats > 1:
+        spread = ", ".join(f"{VARIANTS[v][0]} {min(w):.2f}..{max(w):.2f}" for v, w in walls.items())
+        print(f"(wall s: the slowest rank's load call, median of {repeats} repeats; min..max: {spread})")
+    else:
+        print("(wall s: the slowest rank's load call)")
 
     turns = [variant for variant in results if VARIANTS[variant][2] == "turns"]
     if turns:
