@@ -11,11 +11,14 @@ Per step (one micro-batch), for a layout with FSDP degree ``S``, ``R`` replicas 
   forward (all layers by default; the root too with ``reshard_after_forward=True``; none with ``False``), in the
   compute dtype; a reduce-scatter of every unit's gradients in the reduce dtype.
 * Replication (``replicate`` groups): an all-reduce of each rank's gradient shard.
-* Tensor parallelism (``tensor`` groups, always inside a node): per layer two all-reduces of the activations
-  (``tokens x hidden``) in forward and two in backward (two more when activation checkpointing recomputes the
-  forward), one for the vocabulary-parallel embedding in forward and one for the output head in backward, and an
-  all-gather of the logits (``tokens x vocab``). The last three whatever the plan says about the embedding and the
-  head (transformers' Llama plan leaves the embedding whole): an upper bound, small next to the per-layer ones.
+* Tensor parallelism (``tensor`` groups, always inside a node): per layer one all-reduce of the activations
+  (``tokens x hidden``) per row-wise layer in forward (again when activation checkpointing recomputes the forward),
+  and one per column-wise layer in backward: torch's ``ColwiseParallel`` all-reduces the gradient of each layer's
+  input on its own (a Llama layer: attention and MLP outputs forward; q, k, v, gate and up backward = 7, measured by
+  benchmarks/comm_volume.py; litgpt's fused qkv: 5). Plus one for the vocabulary-parallel embedding in forward and
+  one for the output head in backward, and an all-gather of the logits (``tokens x vocab``), whatever the plan says
+  about the embedding and the head (transformers' Llama plan leaves the embedding whole): an upper bound, small next
+  to the per-layer ones.
 """
 
 from __future__ import annotations
@@ -90,7 +93,10 @@ def _tensor_parallel_edge_bytes(model: ModelShape, training: Training, tensor: i
         return 0.0
     dims = model.dims
     activation = training.workload.tokens * dims.hidden_size * training.compute_bytes
-    all_reduces = (6 if training.activation_checkpointing else 4) * dims.num_layers + 2
+    layer_weights = [p for p in model.parameters if p.unit and len(p.shape) == 2]
+    rowwise = sum(p.tensor_parallel_dim == 1 for p in layer_weights)  # all layers together
+    colwise = sum(p.tensor_parallel_dim == 0 for p in layer_weights)
+    all_reduces = rowwise * (2 if training.activation_checkpointing else 1) + colwise + 2
     logits = training.workload.tokens * dims.vocab_size * training.compute_bytes
     return 2 * _ring(tensor) * all_reduces * activation + _ring(tensor) * logits
 
