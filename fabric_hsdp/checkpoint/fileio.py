@@ -201,8 +201,8 @@ class DirectFileWriter(io.RawIOBase):
     """A write-only file that bypasses the page cache (``O_DIRECT``), writing on a thread while the caller works.
 
     Writing through the page cache costs a page allocation and copy per 4 KiB and then the same bytes again at
-    ``fsync`` (docs/loading.md has the measured difference); ``O_DIRECT`` skips both and leaves the page cache to the
-    caller's other work. Data is copied into one of two 16 MiB page-aligned buffers; a full
+    ``fsync``; ``O_DIRECT`` skips both and leaves the page cache to the caller's other work (docs/cli.md has the
+    measured difference). Data is copied into one of two 16 MiB page-aligned buffers; a full
     buffer is written by a background thread while the caller fills the other, so reading the next tensor overlaps
     with the disk. The unaligned tail is written without ``O_DIRECT`` on :meth:`close`. Where the filesystem refuses
     ``O_DIRECT`` the writer falls back to plain writes and asks the kernel to start writeback after each buffer.
