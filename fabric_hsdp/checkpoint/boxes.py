@@ -118,6 +118,22 @@ class StoredBoxes:
         return StoredBoxes(self.local.detach().to("cpu", copy=True), self._size, self.pieces)
 
 
+def boxes_of(tensor: torch.Tensor, fused: FusedRows | None, rows: tuple[int, int] | None = None) -> StoredBoxes:
+    """``tensor``'s local rows ``rows`` (all by default) as the boxes of the stored tensor they hold."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return StoredBoxes(local, tensor.shape, stored_pieces(tensor, fused, rows))
+
+
+def regrouped_boxes(param: str | None, tensor: torch.Tensor, fused: dict[str, FusedRows]) -> StoredBoxes | None:
+    """The boxes of a tensor whose rows tensor parallelism regrouped; ``None`` for others (DCP stores them as they
+    are). ``param``: the parameter it belongs to (see :func:`dcp_view`)."""
+    if param not in fused or tensor.ndim == 0:
+        return None
+    return boxes_of(tensor, fused[param])
+
+
 def lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
     """What DCP's planners look up for ``index``: a box of a :class:`StoredBoxes`, else DCP's own answer."""
     value = state_dict.get(index.fqn)

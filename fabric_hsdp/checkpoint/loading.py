@@ -65,6 +65,14 @@ def local_box(tensor: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(start, start + size) for start, size in zip(offsets, sizes))
 
 
+def copy_local_part(full: torch.Tensor, target: torch.Tensor, fused: FusedRows | None) -> None:
+    """Copy into ``target``'s local shard its elements of ``full`` (a whole tensor in the stored order)."""
+    if full.dim() and fused is not None:  # in the order tensor parallelism regrouped the rows
+        full = fused.to_module_order(full)
+    local = _local(target)
+    local.copy_((full[local_box(target)] if full.dim() else full).view(local.shape))
+
+
 def read_local(source: CheckpointSource, name: str, target: torch.Tensor, fused: FusedRows | None) -> None:
     """Fill ``target``'s local shard from tensor ``name`` of ``source``, reading only the elements it holds.
 
@@ -226,9 +234,7 @@ def _load_from_rank0(load: _Load) -> LoadResult:
                 else:
                     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
                 dist.broadcast(full, src=0)
-                if model_key in load.fused:  # in the order tensor parallelism regrouped the rows
-                    full = load.fused[model_key].to_module_order(full)
-                local.copy_(full[local_box(target)])
+                copy_local_part(full, target, load.fused.get(model_key))
                 del full
     finally:
         if source is not None:
@@ -259,11 +265,7 @@ def load_optimizer_from_extras(
                 if not isinstance(target, torch.Tensor):
                     entries[key] = value
                     continue
-                if value.dim() and fqn in fused:  # in the order tensor parallelism regrouped the rows
-                    value = fused[fqn].to_module_order(value)
-                piece = value[local_box(target)] if value.dim() else value
-                local = _local(target)
-                local.copy_(piece.view(local.shape))
+                copy_local_part(value, target, fused.get(fqn))
     current["param_groups"] = [
         {**saved_group, "params": group["params"]}
         for saved_group, group in zip(saved["param_groups"], current["param_groups"])

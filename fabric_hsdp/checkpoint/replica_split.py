@@ -57,14 +57,12 @@ def replica_parts(
 
     def read_part(param: str | None, tensor: torch.Tensor) -> boxes.StoredBoxes | None:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if _splits(tensor, local, mesh, replicas):
-            rows = local.shape[0] // replicas
-            start, stop = replica * rows, (replica + 1) * rows
-            splits.append(Split(local, local[start:stop]))
-            return boxes.StoredBoxes(local, tensor.shape, boxes.stored_pieces(tensor, fused.get(param), (start, stop)))
-        if param in fused and tensor.ndim:
-            return boxes.StoredBoxes(local, tensor.shape, boxes.stored_pieces(tensor, fused[param]))
-        return None
+        if not _splits(tensor, local, mesh, replicas):
+            return boxes.regrouped_boxes(param, tensor, fused)  # read whole, as a load without split reads does
+        rows = local.shape[0] // replicas
+        start, stop = replica * rows, (replica + 1) * rows
+        splits.append(Split(local, local[start:stop]))
+        return boxes.boxes_of(tensor, fused.get(param), (start, stop))
 
     view, replaced = boxes.dcp_view(state, read_part)
     return view, replaced, splits

@@ -20,7 +20,6 @@ from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loadi
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from fabric_hsdp.agreement import fail_together
@@ -134,14 +133,7 @@ def in_stored_layout(tensors: dict[str, Any], model: nn.Module) -> tuple[dict[st
     fused = fused_rows_of(model)
     if not fused:
         return tensors, []
-
-    def regrouped(param: str | None, tensor: torch.Tensor) -> boxes.StoredBoxes | None:
-        if param not in fused or tensor.ndim == 0:
-            return None
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        return boxes.StoredBoxes(local, tensor.shape, boxes.stored_pieces(tensor, fused[param]))
-
-    return boxes.dcp_view(tensors, regrouped)
+    return boxes.dcp_view(tensors, lambda param, tensor: boxes.regrouped_boxes(param, tensor, fused))
 
 
 def _save_meta(values: dict[str, Any], file: Path) -> None:
