@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
+from tests.scenarios.common import ReadCounter, batch, build, full_state, layer_class, logits_of, make_fabric
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
@@ -277,18 +277,9 @@ def load_raw_state(num_nodes: int, devices: int, out: str, name: str) -> dict:
 
 def load_counting_reads(num_nodes: int, devices: int, out: str, split_replica_reads: bool) -> dict:
     """``load`` on this topology, counting the tensor bytes this rank reads from the checkpoint's files."""
-    from fabric_hsdp.checkpoint import fileio
-
-    counted = {"bytes": 0}
-    readinto = fileio.readinto  # every read of tensor bytes ends here
-
-    def counting_readinto(fd: int, target: torch.Tensor, offset: int, **kw: Any) -> None:
-        counted["bytes"] += target.nbytes
-        readinto(fd, target, offset, **kw)
-
-    fileio.readinto = counting_readinto
+    counter = ReadCounter()
     facts = load(num_nodes, devices, out, split_replica_reads=split_replica_reads)
-    return dict(facts, bytes_read=counted["bytes"])
+    return dict(facts, bytes_read=counter.bytes)
 
 
 def split_parts(num_nodes: int, devices: int) -> dict:

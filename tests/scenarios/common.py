@@ -141,3 +141,19 @@ def copy_full_into(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                 tensor.to_local().copy_(local.to_local())
             else:
                 tensor.copy_(full)
+
+
+class ReadCounter:
+    """Counts the tensor bytes this process reads from checkpoint files (every such read ends in fileio.readinto)."""
+
+    def __init__(self) -> None:
+        from fabric_hsdp.checkpoint import fileio
+
+        self.bytes = 0
+        readinto = fileio.readinto
+
+        def counting_readinto(fd: int, target: torch.Tensor, offset: int, **kw: Any) -> None:
+            self.bytes += target.nbytes
+            readinto(fd, target, offset, **kw)
+
+        fileio.readinto = counting_readinto

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.scenarios.checkpoints import full_optimizer_state, setup_training, train_steps
-from tests.scenarios.common import build, full_state, logits_of, make_fabric
+from tests.scenarios.common import ReadCounter, build, full_state, logits_of, make_fabric
 
 KINDS = ("hf", "litgpt")
 TOKENS = torch.arange(2 * 16).remainder(256).view(2, 16)
@@ -78,30 +78,21 @@ def load(
 def load_raw(num_nodes: int, devices: int, cases: list[dict[str, Any]], tensor_parallel_size: int = 2) -> list[dict]:
     """Each case: fill a meta-initialised model from a consolidated file; compare the gathered weights exactly.
 
-    Also counts the tensor bytes each rank reads (every read of tensor data ends in ``fileio.readinto``).
+    Also counts the tensor bytes each rank reads.
     """
-    from fabric_hsdp.checkpoint import fileio
-
-    counted = {"bytes": 0}
-    readinto = fileio.readinto
-
-    def counting_readinto(fd: int, target: torch.Tensor, offset: int, **kw: Any) -> None:
-        counted["bytes"] += target.nbytes
-        readinto(fd, target, offset, **kw)
-
-    fileio.readinto = counting_readinto
+    counter = ReadCounter()
     fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size)
     results = []
     for case in cases:
         with fabric.init_module(empty_init=True):
             model = build(case["kind"], seed=123)
         model = fabric.setup_module(model)
-        counted["bytes"] = 0
+        counter.bytes = 0
         if case.get("via_fabric_load"):
             fabric.load(case["file"], {"model": model})
         else:
             fabric.strategy.load_raw(case["file"], model, load_mode=case.get("mode"))
-        read = counted["bytes"]
+        read = counter.bytes
         expected = torch.load(case["reference"], weights_only=True)
         actual = full_state(model)
         with torch.no_grad():
