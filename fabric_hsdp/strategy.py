@@ -130,7 +130,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
             once per replica, and the network carries the other copies. Worth it where the shared filesystem is
             slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default; ``"cpu:gloo,cuda:nccl"`` on CUDA
+            with ``cpu_offload``, whose shards and gradients live in CPU memory.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
             normally fills these in. Without a ``cluster_environment``, one for the launcher that started this process
@@ -286,6 +287,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             device=self.root_device,
             backend=self._process_group_backend,
             timeout=self._timeout,
+            cpu_offload=self._cpu_offload,
         )
         info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
         if self._shard_size != "auto":  # "auto" needs the model: setup_module chooses
