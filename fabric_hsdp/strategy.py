@@ -41,6 +41,7 @@ from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
 from fabric_hsdp.planning.memory import Workload
+from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
 from fabric_hsdp.sharding import (
     ModulePolicy,
     ShardingPlan,
@@ -290,6 +291,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             cpu_offload=self._cpu_offload,
         )
         info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
+        placements = gather_placements(self.global_rank, self.node_rank, self.local_rank)
+        check_rank_layout(placements, self.num_processes, self._launched_by)
         if self._shard_size != "auto":  # "auto" needs the model: setup_module chooses
             self._topology = Topology.resolve(
                 self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
