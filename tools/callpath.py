@@ -84,13 +84,9 @@ class Walk:
         """``module:qualname`` of a function defined in the package, following re-exports; ``None`` if none."""
         for _ in range(10):
             module_name, _, qualname = target.partition(":")
-            if module_name not in self.modules:
-                if "." in module_name and f"{module_name.rsplit('.', 1)[0]}" in self.modules and not qualname:
-                    return None
+            if module_name not in self.modules or not qualname:
                 return None
             module = self.modules[module_name]
-            if not qualname:
-                return None
             if qualname in module.functions:
                 return target
             if f"{qualname}.__init__" in module.functions:
@@ -99,10 +95,8 @@ class Walk:
             if head in module.names and module.names[head] != target:
                 rest = qualname[len(head) :]
                 mapped = module.names[head]
-                if ":" not in mapped:  # a module: module.attr
-                    target = f"{mapped}:{rest[1:]}" if rest else mapped
-                else:
-                    target = mapped + rest
+                # a module (module.attr), else a name in a module
+                target = (f"{mapped}:{rest[1:]}" if rest else mapped) if ":" not in mapped else mapped + rest
                 continue
             if f"{module_name}.{head}" in self.modules:  # a submodule named as an attribute of its package
                 target = f"{module_name}.{head}:{qualname[len(head) + 1 :]}"
@@ -173,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         again: dict[str, int] = {}
         for file in walk.reentries:
             again[file] = again.get(file, 0) + 1
-        worst = ", ".join(f"{Path(f).relative_to(args.root)} x{n}" for f, n in sorted(again.items(), key=lambda x: -x[1]))
+        ranked = sorted(again.items(), key=lambda item: -item[1])
+        worst = ", ".join(f"{Path(file).relative_to(args.root)} x{count}" for file, count in ranked)
         print(f"{flow}: {len(walk.files)} files, {len(walk.reentries)} re-entries ({worst or 'none'})")
     return 0
 
