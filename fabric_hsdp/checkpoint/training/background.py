@@ -32,6 +32,7 @@ from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
 from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import SaveError
 
 _logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started:
 
     future = dcp.async_save(
         copies,
-        storage_writer=dcp.FileSystemWriter(str(staged)),
+        storage_writer=DirectWriter(staged),
         planner=SavePlanner(),
         process_group=group,
         async_stager=_AlreadyStaged(),

@@ -29,6 +29,7 @@ from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complet
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
 from fabric_hsdp.checkpoint.training import background, replica_split
 from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
+from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
 
@@ -80,7 +81,7 @@ def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staged)), planner=SavePlanner())
+        dcp.save(tensors, storage_writer=DirectWriter(staged), planner=SavePlanner())
     except CheckpointException as error:
         raise save_error(error, path) from None
 
