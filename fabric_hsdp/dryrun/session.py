@@ -82,6 +82,7 @@ class DryRunSession:
             patch(HybridFSDPStrategy, "save_checkpoint", self._save)
             patch(HybridFSDPStrategy, "save_full_checkpoint", self._save_full)
             stack.enter_context(self._count_checkpoint_reads())
+            stack.enter_context(_no_io_watchdog())
             if self.device.type == "cuda":
                 stack.enter_context(_every_rank_on_cuda_0(self.world.devices_per_node))
             from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -216,6 +217,15 @@ class DryRunSession:
         record.by_dry_run = True
         self.saves.append(record)
         self.meter.end("save")
+
+
+@contextmanager
+def _no_io_watchdog() -> Iterator[None]:
+    """The I/O watchdog posts progress to the job's store for its neighbour rank: in a dry run there is neither."""
+    from fabric_hsdp.checkpoint import watchdog
+
+    with mock.patch.object(watchdog, "_default_store", lambda: None):
+        yield
 
 
 @contextmanager
