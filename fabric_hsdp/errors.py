@@ -7,6 +7,8 @@ how to fix it, e.g. ``checkpoint 'lit-llama.pth' has no tensor for 'layers.3.mlp
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FabricHSDPError(Exception):
     """Base class of the errors this package raises for its own reasons (not for wrong arguments)."""
@@ -22,6 +24,20 @@ class PeerRankError(FabricHSDPError, RuntimeError):
 
 class SaveError(FabricHSDPError, RuntimeError):
     """Writing a checkpoint failed on some rank; nothing was written at its path."""
+
+
+class NoLayoutFitsError(FabricHSDPError, ValueError):
+    """No layout fits the device memory; the message gives the smallest total and the changes that would fit.
+
+    Attributes:
+        plan: the :class:`~fabric_hsdp.planning.plan.Plan` of every layout tried.
+        options: the changes that would fit, one sentence each.
+    """
+
+    def __init__(self, message: str, plan: Any, options: list[str]) -> None:
+        super().__init__(message)
+        self.plan = plan
+        self.options = options
 
 
 def unsafe_pickle_error(what: str, reason: str) -> CheckpointError:

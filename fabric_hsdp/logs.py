@@ -29,3 +29,21 @@ def configure_package_logger() -> None:
 def info_on_rank_zero(logger: logging.Logger, message: str, *args: Any) -> None:
     """``logger.info`` on global rank 0 only (the strategy sets the rank once the process group exists)."""
     logger.info(message, *args)
+
+
+def warning_on_rank_zero(logger: logging.Logger, message: str, *args: Any) -> None:
+    """``logger.warning`` on global rank 0 only: for what every rank finds the same during a load (one line, not N).
+
+    Also callable without Lightning's rank set (the offline tools: one process, rank 0).
+    """
+    if _global_rank() == 0:
+        logger.warning(message, *args)
+
+
+def _global_rank() -> int:
+    rank = getattr(rank_zero_only, "rank", None)
+    if rank is not None:
+        return rank
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -440,7 +440,10 @@ class HybridFSDPStrategy(ParallelStrategy):
             save_full(path, state)
             return
         with self._watchdog.watch(f"saving checkpoint '{path}'"):
-            self._background.started(save_sharded(path, state, self.broadcast, background_group=self._background.group))
+            if self._background.enabled:
+                self._background.save(path, state, self.broadcast)
+            else:
+                save_sharded(path, state, self.broadcast)
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside

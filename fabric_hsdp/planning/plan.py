@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from fabric_hsdp.errors import NoLayoutFitsError
 from fabric_hsdp.planning.layout import candidate_layouts, describe
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
@@ -103,15 +104,6 @@ class Plan:
     @property
     def usable_memory(self) -> int:
         return int(self.cluster.device_memory * (1 - self.safety_margin))
-
-
-class NoLayoutFitsError(ValueError):
-    """No layout fits the device memory; the message gives the smallest total and the changes that would fit."""
-
-    def __init__(self, message: str, plan: Plan, options: list[str]) -> None:
-        super().__init__(message)
-        self.plan = plan
-        self.options = options
 
 
 def make_plan(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fabric_hsdp.checkpoint.core import watchdog
+from fabric_hsdp.errors import CheckpointError
 
 # Reads are issued in pieces of this size (each one reported to the I/O watchdog); short reads are retried.
 _READ_PIECE = 64 << 20
@@ -77,8 +78,8 @@ def readinto(fd: int, target: torch.Tensor, offset: int, *, file_name: str) -> N
     """Fill the contiguous CPU tensor ``target`` with the bytes at ``offset`` of the open file ``fd``.
 
     Raises:
-        ValueError: if the file ends before ``target`` is full (a truncated checkpoint), or ``target`` is not a
-            contiguous CPU tensor.
+        CheckpointError: if the file ends before ``target`` is full (a truncated checkpoint).
+        ValueError: if ``target`` is not a contiguous CPU tensor.
     """
     if target.device.type != "cpu" or not target.is_contiguous():
         raise ValueError("readinto needs a contiguous CPU tensor")
@@ -91,7 +92,7 @@ def readinto(fd: int, target: torch.Tensor, offset: int, *, file_name: str) -> N
     while done < nbytes:
         count = os.preadv(fd, [view[done : done + _READ_PIECE]], offset + done)
         if count == 0:
-            raise ValueError(
+            raise CheckpointError(
                 f"'{file_name}' is truncated: a tensor needs bytes {offset}..{offset + nbytes} but the file ends at"
                 f" {offset + done}. Re-copy or re-save the checkpoint."
             )

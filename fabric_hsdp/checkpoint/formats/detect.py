@@ -43,6 +43,7 @@ from fabric_hsdp.checkpoint.formats.safetensors_file import SafetensorsFile, loo
 from fabric_hsdp.checkpoint.formats.source import ACCEPTED_FORMATS, CheckpointSource
 from fabric_hsdp.checkpoint.formats.torch_file import TorchFileSource
 from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.logs import warning_on_rank_zero
 
 _logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ def open_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> Ch
     if not path.exists():
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
     if not weights_only:
-        _logger.warning(
+        warning_on_rank_zero(
+            _logger,
             "Opening '%s' with weights_only=False: unpickling can run arbitrary code. Only do this for checkpoints"
             " you trust.",
             path,

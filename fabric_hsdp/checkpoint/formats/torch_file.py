@@ -24,6 +24,7 @@ from fabric_hsdp.checkpoint.core.tree import map_tensors
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
 from fabric_hsdp.errors import CheckpointError, unsafe_pickle_error
+from fabric_hsdp.logs import warning_on_rank_zero
 
 _logger = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ class TorchFileSource(CheckpointSource):
         return obj
 
     def _load_legacy(self, weights_only: bool) -> Any:
-        _logger.warning(
+        warning_on_rank_zero(
+            _logger,
             "'%s' is a legacy (non-zip) torch file: reading it loads the whole file into memory. Re-save it with"
             " torch.save to read it tensor by tensor.",
             self._file,

@@ -5,19 +5,20 @@ Each rank first copies its shards into CPU memory (so training may change the pa
 they never interleave with training's). The copy is made here, once per tensor: DCP's default staging copies a CPU
 DTensor twice (``deepcopy``, then into a fresh buffer) and moves a CUDA one to CPU before copying it again.
 
-DCP's coordinator writes ``.metadata`` only after every rank has written and synced its files; when that has
-happened, rank 0 commits the staging directory from the writing thread with the same atomic swap as a blocking save
-(:func:`fabric_hsdp.checkpoint.core.commit.commit`). A failure is raised on every rank at the next point where all ranks
-meet: the next save or load, ``strategy.wait_for_checkpoint()`` or ``teardown()``. A script that just ends lets the
-write finish (Python joins DCP's writing thread before running ``atexit`` handlers); the strategy's exit handler then
-reports a failure and sets the exit status.
+:class:`BackgroundSaves` starts the one save in flight, keeps it and finishes it. DCP's coordinator writes
+``.metadata`` only after every rank has written and synced its files; when that has happened, the writing thread ends
+the save with the same step as a blocking one (:func:`fabric_hsdp.checkpoint.training.sharded.finish_save`: rank 0
+commits the staging directory with an atomic swap, or discards it). A failure is raised on every rank at the next
+point where all ranks meet: the next save or load, ``strategy.wait_for_checkpoint()`` or ``teardown()``. A script
+that just ends lets the write finish (Python joins DCP's writing thread before running ``atexit`` handlers); the
+strategy's exit handler then reports a failure and sets the exit status.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.core import commit
 from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.checkpoint.training import sharded
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import SaveError
 
@@ -39,24 +39,42 @@ _logger = logging.getLogger(__name__)
 
 
 class BackgroundSaves:
-    """A strategy's background saves: their gloo group, the one save in flight, and waiting for it.
+    """A strategy's background saves: their gloo group and the one save in flight, which this object starts, keeps
+    and finishes (nobody else holds it).
 
-    Call :meth:`set_up` once the default process group exists; with ``enabled=False`` every method is a no-op and
-    ``group`` is ``None`` (saves block).
+    Call :meth:`set_up` once the default process group exists; with ``enabled=False`` it makes no group and
+    :meth:`save` must not be called (saves block: :func:`~fabric_hsdp.checkpoint.training.sharded.save_sharded`).
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.group: Any = None  # gloo group for DCP's collectives while saving in the background
+        self._group: Any = None  # gloo group for DCP's collectives while saving in the background
         self._pending: BackgroundSave | None = None
 
     def set_up(self, timeout: Any) -> None:
         if self.enabled:
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
-    def started(self, save: BackgroundSave | None) -> None:
-        """Track ``save`` (what ``save_sharded`` returned) as the save in flight."""
-        self._pending = save
+    def save(self, path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any]) -> None:
+        """Copy this rank's shards to CPU memory, then write them from a thread and commit them to ``path``.
+
+        Waits for the save in flight first (raising its failure). Returns once every rank has copied its shards.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        save = sharded.stage_save(path, state, broadcast)
+        with sharded.discarded_on_failure(save):
+            with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
+                copies = copy_to_cpu(save.tensors)
+            future = dcp.async_save(
+                copies,
+                storage_writer=DirectWriter(save.staged),
+                planner=SavePlanner(),
+                process_group=self._group,
+                async_stager=_AlreadyStaged(),
+            )
+        self._pending = BackgroundSave(future, save)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure on every rank (a collective)."""
@@ -73,7 +91,7 @@ class BackgroundSaves:
     def finish_at_exit(self) -> bool:
         """At interpreter exit: let the save in flight finish, without collectives; ``True`` if it failed."""
         pending, self._pending = self._pending, None
-        self.group = None
+        self._group = None
         if pending is None:
             return False
         try:
@@ -84,31 +102,25 @@ class BackgroundSaves:
         return False
 
     def close(self) -> None:
-        self.group = None
+        self._group = None
 
 
 class BackgroundSave:
-    """One save in flight: DCP's upload future, and the commit rank 0 runs when it has finished on every rank."""
+    """One save in flight: DCP's upload future, ended by :func:`~fabric_hsdp.checkpoint.training.sharded.finish_save`
+    in DCP's writing thread when it has finished on every rank."""
 
-    def __init__(self, future: Future, staged: Path, path: Path, started: float) -> None:
-        self.path = path
-        self._staged = staged
-        self._started = started
-        self._rank = dist.get_rank()
+    def __init__(self, future: Future, save: sharded.StagedSave) -> None:
+        self.path = save.path
+        self._save = save
         self._done = threading.Event()
         self._error: BaseException | None = None
         future.add_done_callback(self._finish)  # runs in DCP's writing thread (or here, if already done)
 
     def _finish(self, future: Future) -> None:
         try:
-            future.result()
-            if self._rank == 0:
-                commit.commit(self._staged, self.path)
-                log_throughput("saved in the background", self.path, time.monotonic() - self._started)
+            sharded.finish_save(self._save, future.result, "saved in the background", together=False)
         except BaseException as error:  # noqa: BLE001 - kept and raised on the main thread by wait()
             self._error = error
-            if self._rank == 0:
-                commit.discard(self._staged)  # the previous checkpoint is untouched
         finally:
             self._done.set()
 
@@ -125,20 +137,6 @@ class BackgroundSave:
             return
         with fail_together(f"saving checkpoint '{self.path}' in the background"):
             self.wait(together=False)
-
-
-def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started: float) -> BackgroundSave:
-    """Start writing ``copies`` (from :func:`copy_to_cpu`) to ``staged`` in a thread; commit it to ``path`` after."""
-    import torch.distributed.checkpoint as dcp
-
-    future = dcp.async_save(
-        copies,
-        storage_writer=DirectWriter(staged),
-        planner=SavePlanner(),
-        process_group=group,
-        async_stager=_AlreadyStaged(),
-    )
-    return BackgroundSave(future, staged, path, started)
 
 
 def copy_to_cpu(value: Any) -> Any:

@@ -36,6 +36,7 @@ from fabric_hsdp.checkpoint.core.tree import read_lazy
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.logs import warning_on_rank_zero
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
 _logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def plan_keys(
             source_name=str(source.path),
             hint="strict=False: these are skipped.",
         )
-        _logger.warning("%s", message)
+        warning_on_rank_zero(_logger, "%s", message)
     return match, mismatched
 
 
