@@ -18,9 +18,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
-from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor
@@ -31,18 +29,8 @@ from typing_extensions import override
 from fabric_hsdp import distributed
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
-from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
-from fabric_hsdp.checkpoint.training.background import BackgroundSaves
-from fabric_hsdp.checkpoint.training.full_gather import save_full
-from fabric_hsdp.checkpoint.training.raw_load import (
-    LoadMode,
-    LoadResult,
-    load_into_model,
-    restore_extras,
-    validate_load_mode,
-)
-from fabric_hsdp.checkpoint.training.sharded import is_sharded_checkpoint, load_sharded, save_sharded
-from fabric_hsdp.checkpoint.training.state import state_parts
+from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
+from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
@@ -67,12 +55,6 @@ from fabric_hsdp.tensor_parallel import TensorParallelPlan, apply_tensor_paralle
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology, validate_shard_size, validate_tensor_parallel_size
 
 _logger = logging.getLogger(__name__)
-
-
-def _validate_state_dict_type(state_dict_type: str) -> str:
-    if state_dict_type not in ("sharded", "full"):
-        raise ValueError(f"state_dict_type={state_dict_type!r} must be 'sharded' (DCP directory) or 'full' (one file).")
-    return state_dict_type
 
 
 class HybridFSDPStrategy(ParallelStrategy):
@@ -195,12 +177,14 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._tensor_parallel_plan = validate_plan(tensor_parallel_plan)
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
-        self._state_dict_type = _validate_state_dict_type(state_dict_type)
-        self._background = BackgroundSaves(enabled=async_save)
-        self._load_mode = validate_load_mode(load_mode)
-        self._load_turn_size = load_turn_size
-        self._split_replica_reads = split_replica_reads
-        self._watchdog = IOWatchdog(io_timeout)
+        self._checkpoints = Checkpointer(
+            state_dict_type=state_dict_type,
+            async_save=async_save,
+            load_mode=load_mode,
+            load_turn_size=load_turn_size,
+            split_replica_reads=split_replica_reads,
+            io_timeout=io_timeout,
+        )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -313,7 +297,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             )
             self._mesh = self._topology.build_mesh(self.root_device.type)
             info_on_rank_zero(_logger, "%s", self._topology.describe())
-        self._background.set_up(self._timeout)
+        self._checkpoints.set_up(self._timeout)
         atexit.register(self._end_of_process)
 
     @override
@@ -434,16 +418,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint() takes no storage_options: it writes DCP itself.")
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support `filter=` when saving.")
-        self.wait_for_checkpoint()
-        path = Path(self.broadcast(Path(path).absolute()))
-        if self._state_dict_type == "full" or path.suffix == ".safetensors":
-            save_full(path, state)
-            return
-        with self._watchdog.watch(f"saving checkpoint '{path}'"):
-            if self._background.enabled:
-                self._background.save(path, state, self.broadcast)
-            else:
-                save_sharded(path, state, self.broadcast)
+        self._checkpoints.save(Path(self.broadcast(Path(path).absolute())), state, self.broadcast)
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside
@@ -452,15 +427,15 @@ class HybridFSDPStrategy(ParallelStrategy):
         Rank 0 writes, gathering one tensor at a time; the file holds the model's own layout (also under tensor
         parallelism). Call it on every rank.
         """
-        self.wait_for_checkpoint()
-        save_full(Path(self.broadcast(Path(path).absolute())), _unwrap_objects(state))
+        path = Path(self.broadcast(Path(path).absolute()))
+        self._checkpoints.save(path, _unwrap_objects(state), self.broadcast, full=True)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.
 
         Call it on every rank. Saves, loads and ``teardown()`` call it themselves.
         """
-        self._background.wait()
+        self._checkpoints.wait()
 
     @override
     def load_checkpoint(
@@ -481,26 +456,9 @@ class HybridFSDPStrategy(ParallelStrategy):
                 f"{type(self).__name__}.load_checkpoint needs the objects to restore, e.g."
                 " fabric.load(path, {'model': model, 'optimizer': optimizer}) or fabric.load_raw(path, model)."
             )
-        self.wait_for_checkpoint()
         path = Path(self.broadcast(Path(path).absolute()))
-        if isinstance(state, Module):
-            self.load_raw(path, state, strict=strict, weights_only=weights_only is not False)
-            return {}
-        if isinstance(state, Optimizer):
-            raise NotImplementedError(
-                "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
-            )
-        model_key, model, optimizers, plain = state_parts(state)
-        if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
-            split_mesh = self.parallel_mesh if self._split_replica_reads else None
-            with self._watchdog.watch(f"loading checkpoint '{path}'"):
-                return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
-        self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
-        requested, remainder = restore_extras(
-            path, model, optimizers, set(plain), strict=strict, weights_only=weights_only is not False
-        )
-        _move_state_into(source=requested, destination=state, keys=set(requested))
-        return remainder
+        mesh, ranks = self._mesh, {"local_rank": self.local_rank, "ranks_per_node": self.num_processes}
+        return self._checkpoints.load(path, state, strict=strict, weights_only=weights_only, mesh=mesh, **ranks)
 
     def load_raw(
         self,
@@ -525,34 +483,17 @@ class HybridFSDPStrategy(ParallelStrategy):
             load_mode: Overrides the strategy's ``load_mode`` for this call.
             weights_only: Unpickle with torch's safe loader; ``False`` only for trusted files.
         """
-        self.wait_for_checkpoint()
-        path = Path(path)
-        with self._watchdog.watch(f"loading '{path}'"):
-            result = load_into_model(
-                path,
-                getattr(module, "module", module),
-                strict=strict,
-                key_map=key_map,
-                load_mode=validate_load_mode(load_mode or self._load_mode),
-                turn_size=self._load_turn_size,
-                weights_only=weights_only,
-                local_rank=self.local_rank,
-                ranks_per_node=self.num_processes,
-            )
-        if not strict and (result.missing or result.unexpected):
-            rank_zero_warn(
-                f"Loaded {len(result.loaded)} tensors from '{path}'; {len(result.missing)} missing in the checkpoint"
-                f" (e.g. {result.missing[:3]}), {len(result.unexpected)} unused (e.g. {result.unexpected[:3]})."
-            )
-        return result
+        ranks = {"local_rank": self.local_rank, "ranks_per_node": self.num_processes}
+        return self._checkpoints.load_raw(
+            Path(path), module, strict=strict, weights_only=weights_only, key_map=key_map, load_mode=load_mode, **ranks
+        )
 
     @override
     def teardown(self) -> None:
         """Finish a background save, release the modules' FSDP state, destroy the process group, tear down plugins."""
         try:
-            self.wait_for_checkpoint()
+            self._checkpoints.close()
         finally:
-            self._background.close()
             self._sharded.release_and_destroy()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
@@ -568,7 +509,7 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     def _end_of_process(self) -> None:
         """At interpreter exit: finish a background save, then release the modules and the process group."""
-        failed = self._background.finish_at_exit()
+        failed = self._checkpoints.finish_at_exit()
         self._sharded.release_and_destroy()
         if failed:  # a checkpoint the script asked for was not written: the exit status must say so
             exit_now(1)

@@ -6,8 +6,9 @@
 
 A flow starts at a strategy method and follows every call the source names statically, depth first, each function
 once: plain names and module attributes through the imports, ``self.method``, ``ClassName(...)`` (its
-``__init__``), and ``obj.method(...)`` when exactly one class of the package defines ``method``. Calls made through
-other objects (a DCP planner calling back, Fabric's hooks) are not followed. A *re-entry* is a call that goes into a
+``__init__``), ``self.attribute.method`` when ``__init__`` assigned the attribute a class of the package, and
+``variable.method(...)`` when exactly one class of the package defines ``method``. Calls made through other objects
+(a DCP planner calling back, Fabric's hooks) are not followed. A *re-entry* is a call that goes into a
 file the walk has already been in, coming from another file: a flow that reads as one way down has few.
 """
 
@@ -32,6 +33,7 @@ class Module:
     file: Path
     names: dict[str, str] = field(default_factory=dict)  # local name -> "module:qualname" or "module"
     functions: dict[str, ast.AST] = field(default_factory=dict)  # qualname -> def
+    attributes: dict[str, str] = field(default_factory=dict)  # "Class.attr" -> the name of the class assigned to it
 
 
 def _module_name(root: Path, file: Path) -> str:
@@ -52,6 +54,13 @@ def load_package(root: Path, package: str = "fabric_hsdp") -> dict[str, Module]:
                 for item in node.body:
                     if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
                         module.functions[f"{node.name}.{item.name}"] = item
+                for assign in ast.walk(node):  # self.x = SomeClass(...): calls on self.x go to SomeClass
+                    if isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call):
+                        called = assign.value.func
+                        for target in assign.targets:
+                            is_self = isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                            if is_self and target.value.id == "self" and isinstance(called, ast.Name):
+                                module.attributes[f"{node.name}.{target.attr}"] = called.id
         for node in ast.walk(tree):  # imports anywhere (the package imports lazily inside functions)
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 for alias in node.names:
@@ -126,9 +135,13 @@ class Walk:
                     chain.reverse()
                     if chain[0] == "self" and cls and len(chain) == 2:
                         callee = self.resolve(f"{module_name}:{cls}.{chain[1]}")
+                    elif chain[0] == "self" and cls and len(chain) == 3 and f"{cls}.{chain[1]}" in module.attributes:
+                        callee = self.resolve(f"{module_name}:{module.attributes[f'{cls}.{chain[1]}']}.{chain[2]}")
                     elif chain[0] in module.names:
                         callee = self.resolve(f"{module_name}:{'.'.join(chain)}")
-                if callee is None and func.attr in self.unique_methods:
+                # a local variable (source.read_slice), not a module (torch.load) or a call's result
+                local_object = isinstance(value, ast.Name) and value.id not in module.names and value.id != "self"
+                if callee is None and local_object and func.attr in self.unique_methods:
                     callee = self.unique_methods[func.attr]
             if callee is not None and callee != target:
                 found.append((node.lineno, node.col_offset, callee))

@@ -30,7 +30,7 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
 
     state = _unwrap_objects(state)
-    if strategy._state_dict_type == "full" or path.suffix == ".safetensors":
+    if strategy._checkpoints.state_dict_type == "full" or path.suffix == ".safetensors":
         return full_save_record(path, state, rank)
     model_key, model, optimizers, plain = state_parts(state)
     target = scratch / f"{path.name or 'checkpoint'}.rank{rank}"

@@ -17,7 +17,7 @@ from fabric_hsdp.checkpoint import (
     write_torch_file,
 )
 from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter, release_freed_memory
-from fabric_hsdp.checkpoint.writers.full_files import plan_shards
+from fabric_hsdp.checkpoint.writers.full_files import split_into_files
 from fabric_hsdp.units import parse_bytes
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
 
@@ -70,12 +70,12 @@ def test_atomic_output_refuses_existing_dest_without_overwrite(tmp_path):
         pass
 
 
-def test_parse_size_and_plan_shards():
+def test_parse_size_and_split_into_files():
     assert [parse_bytes(s) for s in ("5GB", "500MB", "2GiB", "10", 7)] == [5 * 10**9, 5 * 10**8, 2 * 2**30, 10, 7]
     with pytest.raises(ValueError, match="size='5 parsecs' is not a size; write a number with a unit"):
         parse_bytes("5 parsecs")
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5])]  # 40, 40, 120, 20 bytes
-    assert [[name for name, _ in shard] for shard in plan_shards(tensors, 100)] == [["t0", "t1"], ["t2"], ["t3"]]
+    assert [[name for name, _ in shard] for shard in split_into_files(tensors, 100)] == [["t0", "t1"], ["t2"], ["t3"]]
 
 
 def test_torch_file_flat_and_fabric_layout(tmp_path, state_dict):

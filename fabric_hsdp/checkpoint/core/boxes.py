@@ -6,7 +6,7 @@ DCP knows a DTensor's local shard as one box of the global tensor. Two cases nee
   local shard is several boxes of the stored tensor, which keeps the model's own row order;
 * split replica reads (:mod:`fabric_hsdp.checkpoint.training.replica_split`): a rank reads only some rows of its shard.
 
-:func:`stored_pieces` maps local rows to boxes of the stored tensor, and :class:`StoredBoxes` presents them to DCP
+:func:`pieces_of` maps local rows to boxes of the stored tensor, and :class:`StoredBoxes` presents them to DCP
 through its checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``), so DCP's own planning writes and reads each box, reshards across any layout, and
 deduplicates replicas. DCP's default planners look objects up by type, so the planners of
@@ -48,7 +48,7 @@ def global_box(tensor: torch.Tensor) -> tuple[list[int], list[int]]:
     return list(offsets), list(sizes)
 
 
-def stored_pieces(tensor: torch.Tensor, fused: FusedRows | None, rows: tuple[int, int] | None = None) -> list[Piece]:
+def pieces_of(tensor: torch.Tensor, fused: FusedRows | None, rows: tuple[int, int] | None = None) -> list[Piece]:
     """The boxes of the stored tensor that local rows ``rows`` (all by default) of ``tensor`` hold, in row order.
 
     ``fused``: how tensor parallelism regrouped the tensor's rows (``None``: the global tensor is the stored one).
@@ -123,7 +123,7 @@ def boxes_of(tensor: torch.Tensor, fused: FusedRows | None, rows: tuple[int, int
     from torch.distributed.tensor import DTensor
 
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return StoredBoxes(local, tensor.shape, stored_pieces(tensor, fused, rows))
+    return StoredBoxes(local, tensor.shape, pieces_of(tensor, fused, rows))
 
 
 def regrouped_boxes(param: str | None, tensor: torch.Tensor, fused: dict[str, FusedRows]) -> StoredBoxes | None:

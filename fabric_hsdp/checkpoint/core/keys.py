@@ -152,7 +152,7 @@ def _shape_dtype(value: Any) -> tuple[list[int], torch.dtype | None]:
     return list(value.shape), getattr(value, "dtype", None)
 
 
-def _describe(value: Any) -> str:
+def _spec(value: Any) -> str:
     shape, dtype = _shape_dtype(value)
     return f"{shape} {str(dtype).removeprefix('torch.')}" if dtype is not None else str(shape)
 
@@ -213,12 +213,12 @@ def format_key_errors(
     """
     parts = []
     if match.missing:
-        shown = ", ".join(f"{key!r} (model expects {_describe(model_infos[key])})" for key in match.missing[:_SHOWN])
+        shown = ", ".join(f"{key!r} (model expects {_spec(model_infos[key])})" for key in match.missing[:_SHOWN])
         parts.append(
             f"checkpoint '{source_name}' has no tensor for {shown}{_more(len(match.missing) - _SHOWN, 'missing')}."
         )
     if match.unexpected:
-        shown = ", ".join(f"{key!r} ({_describe(source_infos[key])})" for key in match.unexpected[:_SHOWN])
+        shown = ", ".join(f"{key!r} ({_spec(source_infos[key])})" for key in match.unexpected[:_SHOWN])
         count = len(match.unexpected)
         parts.append(
             f"checkpoint '{source_name}' has {count} tensor{'s' if count > 1 else ''} the model does not: {shown}"
@@ -227,8 +227,8 @@ def format_key_errors(
     mismatched = shape_mismatches(match, model_infos, source_infos)
     if mismatched:
         shown = ", ".join(
-            f"{source_key!r} is {_describe(source_infos[source_key])} but the model expects "
-            f"{_describe(model_infos[model_key])}" + (f" for {model_key!r}" if model_key != source_key else "")
+            f"{source_key!r} is {_spec(source_infos[source_key])} but the model expects "
+            f"{_spec(model_infos[model_key])}" + (f" for {model_key!r}" if model_key != source_key else "")
             for model_key, source_key in mismatched[:_SHOWN]
         )
         parts.append(f"In '{source_name}', {shown}{_more(len(mismatched) - _SHOWN, 'shape mismatches')}.")

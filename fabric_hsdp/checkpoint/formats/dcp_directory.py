@@ -27,7 +27,7 @@ from fabric_hsdp.checkpoint.core.dcp_errors import single_process_dcp
 from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete
-from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader, read_box
+from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader, read_dcp_box
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.formats.torch_file import refused_pickle
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
@@ -84,7 +84,7 @@ class DCPSource(CheckpointSource):
         target = torch.empty([stop - start for start, stop in box], dtype=info.dtype)
         if target.numel():
             with single_process_dcp():
-                read_box(self._reader, self._fqns[name], [start for start, _ in box], target)
+                read_dcp_box(self._reader, self._fqns[name], [start for start, _ in box], target)
         return target
 
     def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:

@@ -71,8 +71,11 @@ def read_metadata(path: Path, *, weights_only: bool = True) -> dcp_metadata.Meta
     return metadata
 
 
-def check_complete(path: Path, *, weights_only: bool = True) -> Any:
+def check_complete(path: Path, *, weights_only: bool = True, metadata: Any = None) -> Any:
     """Raise ``FileNotFoundError``/``CheckpointError`` naming what is missing if ``path`` is not a whole DCP checkpoint.
+
+    Args:
+        metadata: its ``.metadata`` if the caller read it already (it is unpickled once per load).
 
     Returns:
         Its DCP ``Metadata`` (read to check the shards against it).
@@ -91,7 +94,8 @@ def check_complete(path: Path, *, weights_only: bool = True) -> Any:
             + (f" (but {len(shards)} shard file(s), e.g. '{shards[0]}')" if shards else "")
             + ". It was not written by a finished save; load the previous checkpoint instead."
         )
-    metadata = read_metadata(path, weights_only=weights_only)
+    if metadata is None:
+        metadata = read_metadata(path, weights_only=weights_only)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

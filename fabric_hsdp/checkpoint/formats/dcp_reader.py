@@ -35,7 +35,7 @@ class OneCopyReader(FileSystemReader):
     def __init__(self, path: Path, metadata: dcp_metadata.Metadata) -> None:
         super().__init__(path)
         self._metadata = metadata
-        self.set_up_storage_reader(metadata, is_coordinator=True)  # read_box reads without a dcp.load around it
+        self.set_up_storage_reader(metadata, is_coordinator=True)  # read_dcp_box reads without a dcp.load around it
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         return self._metadata
@@ -106,7 +106,7 @@ def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 
 class _BoxPlanner(DefaultLoadPlanner):
-    """Resolves each read of :func:`read_box` to the part of the caller's box tensor it fills."""
+    """Resolves each read of :func:`read_dcp_box` to the part of the caller's box tensor it fills."""
 
     def __init__(self, target: torch.Tensor) -> None:
         super().__init__()
@@ -119,7 +119,7 @@ class _BoxPlanner(DefaultLoadPlanner):
         pass
 
 
-def read_box(reader: OneCopyReader, fqn: str, offsets: list[int], target: torch.Tensor) -> torch.Tensor:
+def read_dcp_box(reader: OneCopyReader, fqn: str, offsets: list[int], target: torch.Tensor) -> torch.Tensor:
     """Fill ``target`` with the box of tensor ``fqn`` that starts at ``offsets`` (and has ``target``'s shape).
 
     Only the stored chunks the box overlaps are read, and of each only the overlap (DCP's own resharding arithmetic,

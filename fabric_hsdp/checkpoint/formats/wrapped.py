@@ -13,7 +13,7 @@ from fabric_hsdp.errors import CheckpointError
 MODEL_KEYS = ("model", "state_dict")
 
 
-def _describe(value: Any) -> str:
+def _kind_of(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
@@ -30,7 +30,7 @@ def find_model_tensors(
     """
     if not isinstance(obj, Mapping):
         raise CheckpointError(
-            f"'{file_name}' holds {_describe(obj)}, not a state dict (a dict of tensors) or a checkpoint"
+            f"'{file_name}' holds {_kind_of(obj)}, not a state dict (a dict of tensors) or a checkpoint"
         )
     if not obj:
         raise CheckpointError(f"'{file_name}' holds an empty dict: there are no tensors in it")
@@ -41,7 +41,7 @@ def find_model_tensors(
             return None, obj, {}
         raise CheckpointError(
             f"'{file_name}' mixes tensors (e.g. {top_tensors[0]!r}) and other values (e.g. {others[0]!r}:"
-            f" {_describe(obj[others[0]])}) at the top level: it is neither a state dict nor a checkpoint with a"
+            f" {_kind_of(obj[others[0]])}) at the top level: it is neither a state dict nor a checkpoint with a"
             " 'model' entry"
         )
     for model_key in MODEL_KEYS:
@@ -51,7 +51,7 @@ def find_model_tensors(
             if not_tensors:
                 bad = not_tensors[0]
                 raise CheckpointError(
-                    f"'{file_name}' has a {model_key!r} entry, but {model_key}[{bad!r}] is {_describe(model[bad])},"
+                    f"'{file_name}' has a {model_key!r} entry, but {model_key}[{bad!r}] is {_kind_of(model[bad])},"
                     f" not a tensor ({len(not_tensors)} such entries); expected a flat dict of tensors"
                 )
             return model_key, model, {key: value for key, value in obj.items() if key != model_key}

@@ -66,7 +66,7 @@ class BackgroundSaves:
         save = sharded.stage_save(path, state, broadcast)
         with sharded.discarded_on_failure(save):
             with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
-                copies = copy_to_cpu(save.tensors)
+                copies = copy_state_to_cpu(save.tensors)
             future = dcp.async_save(
                 copies,
                 storage_writer=DirectWriter(save.staged),
@@ -139,7 +139,7 @@ class BackgroundSave:
             self.wait(together=False)
 
 
-def copy_to_cpu(value: Any) -> Any:
+def copy_state_to_cpu(value: Any) -> Any:
     """A copy of a nested state dict with every tensor (a DTensor's local shard) copied to CPU memory, once.
 
     A DTensor stays a DTensor of the same mesh and placements with a CPU local shard (``DTensor.from_local`` would
@@ -150,14 +150,14 @@ def copy_to_cpu(value: Any) -> Any:
     if isinstance(value, StoredBoxes):
         return value.copy_to_cpu()
     if isinstance(value, dict):
-        return {key: copy_to_cpu(item) for key, item in value.items()}
+        return {key: copy_state_to_cpu(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(copy_to_cpu(item) for item in value)
+        return type(value)(copy_state_to_cpu(item) for item in value)
     return value
 
 
 class _AlreadyStaged(AsyncStager):
-    """DCP's staging step for a state dict :func:`copy_to_cpu` already copied: hand it on as it is."""
+    """DCP's staging step for a state dict :func:`copy_state_to_cpu` already copied: hand it on as it is."""
 
     _synchronize_after_execute = False
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core import watchdog
-from fabric_hsdp.checkpoint.core.boxes import global_box, stored_pieces
+from fabric_hsdp.checkpoint.core.boxes import global_box, pieces_of
 from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
@@ -88,7 +88,7 @@ def read_local(source: CheckpointSource, name: str, target: torch.Tensor, fused:
     if local.ndim == 0:
         local.copy_(source.read(name))
         return
-    for piece in stored_pieces(target, fused):
+    for piece in pieces_of(target, fused):
         sizes = [piece.stop - piece.start, *local.shape[1:]]
         index = tuple(slice(offset, offset + size) for offset, size in zip(piece.offsets, sizes))
         rows = local[piece.start : piece.stop]
@@ -111,7 +111,7 @@ def tied_names(module: nn.Module) -> dict[str, str]:
     return {name: first.setdefault(id(tensor), name) for name, tensor in module.state_dict(keep_vars=True).items()}
 
 
-def plan_keys(
+def match_source_keys(
     source: CheckpointSource,
     targets: dict[str, torch.Tensor],
     key_map: KeyMapSpec,
@@ -162,8 +162,8 @@ class _Load:
     tied: dict[str, str]  # state-dict key -> the first key of the same tied tensor
     fused: dict[str, FusedRows]  # parameters whose rows tensor parallelism regrouped
 
-    def plan(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
-        return plan_keys(source, self.targets, self.key_map, self.strict, self.tied)
+    def match(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
+        return match_source_keys(source, self.targets, self.key_map, self.strict, self.tied)
 
 
 def load_into_model(
@@ -209,7 +209,7 @@ def _load_slices(load: _Load) -> LoadResult:
         watchdog.doing_io("reading", str(load.path)),
         open_checkpoint(load.path, weights_only=load.weights_only) as source,
     ):
-        match, mismatched = load.plan(source)
+        match, mismatched = load.match(source)
         names = [k for k in match.mapping if k not in mismatched]
         bar = _progress(source, [match.mapping[k] for k in names], f"loading {load.path.name}")
         with bar, torch.no_grad():
@@ -222,13 +222,13 @@ def _load_slices(load: _Load) -> LoadResult:
 def _load_from_rank0(load: _Load) -> LoadResult:
     rank = dist.get_rank()
     source: CheckpointSource | None = None
-    plan: list[Any] = [None]
+    matched: list[Any] = [None]
     with fail_together(f"opening '{load.path}' on rank 0"):
         if rank == 0:
             source = open_checkpoint(load.path, weights_only=load.weights_only)
-            plan = [load.plan(source)]
-    dist.broadcast_object_list(plan, src=0)
-    match, mismatched = plan[0]
+            matched = [load.match(source)]
+    dist.broadcast_object_list(matched, src=0)
+    match, mismatched = matched[0]
     names = [k for k in match.mapping if k not in mismatched]
     try:
         with torch.no_grad():

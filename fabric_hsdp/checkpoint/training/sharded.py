@@ -136,7 +136,12 @@ def _save_meta(values: dict[str, Any], file: Path) -> None:
 
 
 def load_sharded(
-    path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None, split_mesh: Any = None
+    path: Path,
+    state: dict[str, Any],
+    strict: bool,
+    weights_only: bool | None,
+    split_mesh: Any = None,
+    metadata: Any = None,
 ) -> dict[str, Any]:
     """Restore the model, optimizers and plain values of ``state`` in place from a DCP directory, on any topology.
 
@@ -158,7 +163,7 @@ def load_sharded(
 
     safe = weights_only is not False
     with fail_together(f"opening checkpoint '{path}'"):
-        metadata = check_complete(path, weights_only=safe)
+        metadata = check_complete(path, weights_only=safe, metadata=metadata)
         model_key, model, optimizers, plain = state_parts(state)
         saved_keys = top_level_keys(metadata)
         wanted = [model_key, *optimizers]
@@ -196,14 +201,15 @@ def load_sharded(
     return meta
 
 
-def is_sharded_checkpoint(path: Path, model_key: str, *, weights_only: bool = True) -> bool:
-    """A DCP directory (or a broken one) with ``model_key`` entries: loaded with resharding, not as a raw source."""
+def find_sharded(path: Path, model_key: str, *, weights_only: bool) -> tuple[bool, Any]:
+    """Whether ``path`` is loaded with resharding (a DCP directory with ``model_key`` entries, or a broken one), not
+    as a raw source; and its DCP metadata when read here (:func:`load_sharded` then does not read it again)."""
     if not path.is_dir() or (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
-        return False
+        return False, None
     if not (path / ".metadata").is_file():
-        return any(path.glob("*.distcp"))  # an interrupted save: load_sharded names what is missing
+        return any(path.glob("*.distcp")), None  # an interrupted save: load_sharded names what is missing
     try:
         metadata = read_metadata(path, weights_only=weights_only)
     except CheckpointError:
-        return True  # load_sharded reports why its metadata cannot be read
-    return model_key in top_level_keys(metadata)
+        return True, None  # load_sharded reports why its metadata cannot be read
+    return model_key in top_level_keys(metadata), metadata

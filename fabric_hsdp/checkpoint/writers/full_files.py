@@ -200,7 +200,7 @@ def _write_safetensors_file(
                 on_tensor(nbytes(value))
 
 
-def plan_shards(entries: list[tuple[str, TensorLike]], max_shard_size: int) -> list[list[tuple[str, TensorLike]]]:
+def split_into_files(entries: list[tuple[str, TensorLike]], max_shard_size: int) -> list[list[tuple[str, TensorLike]]]:
     """Split ``entries`` in order into shards of at most ``max_shard_size`` bytes (a larger tensor gets its own)."""
     shards: list[list] = [[]]
     size = 0
@@ -244,7 +244,7 @@ def write_safetensors(
             _write_safetensors_file(tmp, entries, metadata, on_tensor, scratch_for(value for _, value in entries))
         return [dest]
     limit = parse_bytes(max_shard_size, "max_shard_size") if max_shard_size is not None else float("inf")
-    shards = plan_shards(entries, limit)  # type: ignore[arg-type]
+    shards = split_into_files(entries, limit)  # type: ignore[arg-type]
     names = (
         ["model.safetensors"]
         if len(shards) == 1

@@ -1,0 +1,157 @@
+"""What the strategy's ``save_checkpoint``/``load_checkpoint``/``load_raw`` do, with the settings it was given.
+
+One :class:`Checkpointer` per strategy, as torchtitan's ``CheckpointManager``: it holds the background saves (and
+so the one save in flight) and the I/O watchdog, picks the way down for each call (a full file, a sharded save in
+the foreground or the background, a sharded load, a raw load plus a full checkpoint's extras), and decides the
+unpickling rule (``weights_only``) once per call. The strategy's hooks only pass their arguments on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities import rank_zero_warn
+from lightning.fabric.utilities.load import _move_state_into
+from torch import nn
+from torch.optim import Optimizer
+
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
+from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.training.background import BackgroundSaves
+from fabric_hsdp.checkpoint.training.full_gather import save_full
+from fabric_hsdp.checkpoint.training.raw_load import LoadResult, load_into_model, restore_extras, validate_load_mode
+from fabric_hsdp.checkpoint.training.sharded import find_sharded, load_sharded, save_sharded
+from fabric_hsdp.checkpoint.training.state import state_parts
+
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+def validate_state_dict_type(state_dict_type: str) -> str:
+    if state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(f"state_dict_type={state_dict_type!r} must be 'sharded' (DCP directory) or 'full' (one file).")
+    return state_dict_type
+
+
+class Checkpointer:
+    """A strategy's checkpoints (the arguments are the strategy's, documented there).
+
+    Call :meth:`set_up` once the default process group exists, and :meth:`close` or :meth:`finish_at_exit` at the
+    end. Every method that saves or loads is a collective: call it on every rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        state_dict_type: str,
+        async_save: bool,
+        load_mode: str,
+        load_turn_size: int,
+        split_replica_reads: bool,
+        io_timeout: float | timedelta | None,
+    ) -> None:
+        self.state_dict_type = validate_state_dict_type(state_dict_type)
+        self.load_mode = validate_load_mode(load_mode)
+        self.load_turn_size = load_turn_size
+        self.split_replica_reads = split_replica_reads
+        self._background = BackgroundSaves(enabled=async_save)
+        self._watchdog = IOWatchdog(io_timeout)
+
+    def set_up(self, timeout: Any) -> None:
+        self._background.set_up(timeout)
+
+    def save(self, path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any], *, full: bool = False) -> None:
+        """Write ``state`` at ``path``: one full file (``full``, ``state_dict_type="full"`` or a ``.safetensors``
+        path), else a sharded DCP directory, in the background with ``async_save``."""
+        self.wait()
+        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":
+            save_full(path, state)
+            return
+        with self._watchdog.watch(f"saving checkpoint '{path}'"):
+            if self._background.enabled:
+                self._background.save(path, state, broadcast)
+            else:
+                save_sharded(path, state, broadcast)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its failure on every rank."""
+        self._background.wait()
+
+    def load(
+        self,
+        path: Path,
+        state: nn.Module | Optimizer | dict[str, Any],
+        *,
+        strict: bool,
+        weights_only: bool | None,
+        mesh: Any,
+        local_rank: int,
+        ranks_per_node: int,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from a sharded checkpoint or any consolidated format; return what is left."""
+        self.wait()
+        safe = weights_only is not False  # Fabric's default (None) is the safe loader
+        raw = {"strict": strict, "weights_only": safe, "local_rank": local_rank, "ranks_per_node": ranks_per_node}
+        if isinstance(state, nn.Module):
+            self.load_raw(path, state, **raw)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
+            )
+        model_key, model, optimizers, plain = state_parts(state)
+        sharded, metadata = find_sharded(path, model_key, weights_only=safe)
+        if sharded:
+            split_mesh = mesh if self.split_replica_reads else None
+            with self._watchdog.watch(f"loading checkpoint '{path}'"):
+                return load_sharded(path, state, strict, safe, split_mesh=split_mesh, metadata=metadata)
+        self.load_raw(path, model, **raw)
+        requested, remainder = restore_extras(path, model, optimizers, set(plain), strict=strict, weights_only=safe)
+        _move_state_into(source=requested, destination=state, keys=set(requested))
+        return remainder
+
+    def load_raw(
+        self,
+        path: Path,
+        module: nn.Module,
+        *,
+        strict: bool,
+        weights_only: bool,
+        local_rank: int,
+        ranks_per_node: int,
+        key_map: KeyMapSpec = None,
+        load_mode: str | None = None,
+    ) -> LoadResult:
+        """Fill ``module``'s shards from a consolidated checkpoint (see ``HybridFSDPStrategy.load_raw``)."""
+        self.wait()
+        with self._watchdog.watch(f"loading '{path}'"):
+            result = load_into_model(
+                path,
+                getattr(module, "module", module),
+                strict=strict,
+                key_map=key_map,
+                load_mode=validate_load_mode(load_mode or self.load_mode),
+                turn_size=self.load_turn_size,
+                weights_only=weights_only,
+                local_rank=local_rank,
+                ranks_per_node=ranks_per_node,
+            )
+        if not strict and (result.missing or result.unexpected):
+            rank_zero_warn(
+                f"Loaded {len(result.loaded)} tensors from '{path}'; {len(result.missing)} missing in the checkpoint"
+                f" (e.g. {result.missing[:3]}), {len(result.unexpected)} unused (e.g. {result.unexpected[:3]})."
+            )
+        return result
+
+    def close(self) -> None:
+        """Finish the save in flight (raising its failure on every rank), then drop the background saves' group."""
+        try:
+            self.wait()
+        finally:
+            self._background.close()
+
+    def finish_at_exit(self) -> bool:
+        """At interpreter exit: let the save in flight finish, without collectives; ``True`` if it failed."""
+        return self._background.finish_at_exit()
