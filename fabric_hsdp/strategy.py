@@ -331,7 +331,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         """``shard_size="auto"``: plan ``module``, resolve the topology, build the mesh (every rank, same choice)."""
         budget = smallest_budget(self._memory_budget, self.root_device)  # a collective: before fail_together
         with fail_together("HybridFSDPStrategy(shard_size='auto')"):
-            self._topology, plan = auto_topology(
+            self._topology, layout_plan = auto_topology(
                 module,
                 budget,
                 num_nodes=self.num_nodes,
@@ -346,7 +346,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 backend=self._process_group_backend,
             )
         self._mesh = self._topology.build_mesh(self.root_device.type)
-        info_on_rank_zero(_logger, "%s", describe_choice(plan))
+        info_on_rank_zero(_logger, "%s", describe_choice(layout_plan))
         info_on_rank_zero(_logger, "%s", self._topology.describe())
 
     @override

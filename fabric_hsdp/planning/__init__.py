@@ -1,7 +1,8 @@
 """Choose a layout: per-device memory and per-step traffic of every ``shard_size`` (and TP size) a cluster allows.
 
-``fabric-hsdp plan`` prints the table; ``HybridFSDPStrategy(shard_size="auto")`` calls :func:`choose_layout`. Both go
-through :func:`make_plan`, so they agree. The formulas are in docs/concepts.md.
+``fabric-hsdp plan`` prints the table; ``HybridFSDPStrategy(shard_size="auto")`` calls
+:func:`~fabric_hsdp.planning.auto.auto_topology`. Both go through :func:`make_plan`, so they agree. The formulas are
+in docs/concepts.md.
 """
 
 from fabric_hsdp.planning.layout import candidate_layouts

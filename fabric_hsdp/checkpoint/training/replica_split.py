@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fabric_hsdp.checkpoint.core import boxes
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows
+from fabric_hsdp.topology import REPLICATE_DIM
 
 if TYPE_CHECKING:
     from fabric_hsdp.topology import ParallelMesh
@@ -52,7 +53,7 @@ def replica_parts(
     from torch.distributed.tensor import DTensor
 
     replicas = mesh.topology.replicate_size
-    replica = mesh.device_mesh.get_local_rank("replicate")
+    replica = mesh.replicate.get_local_rank()
     splits: list[Split] = []
 
     def read_part(param: str | None, tensor: torch.Tensor) -> boxes.StoredBoxes | None:
@@ -75,7 +76,7 @@ def _splits(tensor: torch.Tensor, local: torch.Tensor, mesh: ParallelMesh, repli
         replicas > 1
         and isinstance(tensor, DTensor)
         and tensor.ndim > 0
-        and "replicate" in mesh.replicated_dims(tensor)
+        and REPLICATE_DIM in mesh.replicated_dims(tensor)
         and local.is_contiguous()
         and local.shape[0] > 0
         and local.shape[0] % replicas == 0
@@ -87,6 +88,6 @@ def gather(splits: list[Split], mesh: ParallelMesh | None) -> None:
     """All-gather each part along ``replicate`` into its whole local shard."""
     if not splits or mesh is None:
         return
-    group = mesh.group("replicate")
+    group = mesh.replicate.get_group()
     for split in splits:
         dist.all_gather_into_tensor(split.local, split.part.clone(), group=group)
