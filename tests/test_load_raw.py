@@ -44,6 +44,7 @@ def llama_files(tmp_path_factory):
     return root
 
 
+@pytest.mark.timeout(360)  # one launch of 300 s
 def test_every_format_and_mode_loads_exactly(llama_files):
     root = llama_files
     reference = str(root / "lit-llama.pth")
@@ -70,6 +71,7 @@ def test_every_format_and_mode_loads_exactly(llama_files):
         for spec, outcome in zip(cases, rank_values):
             assert "error" not in outcome, (spec, outcome)
             assert outcome["max_logit_diff"] == 0.0, (spec, outcome)
+            assert outcome["weights_differ"] == [], (spec, outcome)
             assert outcome["missing"] == [] and outcome["unexpected"] == [], (spec, outcome)
             assert outcome["loaded"] == 21
             expected_dtype = "torch.bfloat16" if spec.get("model_dtype") == "bfloat16" else "torch.float32"
@@ -111,7 +113,7 @@ def test_fabric_load_accepts_a_raw_state_dict_and_a_converted_dcp(llama_files):
         args = {"file": str(llama_files / name), "reference": str(llama_files / "lit-llama.pth")}
         for facts in launch("tests.scenarios.loading:fabric_load_raw_state_dict", args).check().values:
             assert facts["remainder"] == {}
-            assert facts["max_logit_diff"] == 0.0
+            assert facts["max_logit_diff"] == 0.0 and facts["weights_differ"] == []
 
 
 def test_transformers_save_pretrained_directories(tmp_path):
@@ -131,6 +133,7 @@ def test_transformers_save_pretrained_directories(tmp_path):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
+            assert outcome["weights_differ"] == [], outcome
 
 
 def test_litgpt_converter_output(tmp_path):
@@ -166,3 +169,4 @@ def test_litgpt_converter_output(tmp_path):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
+            assert outcome["weights_differ"] == [], outcome

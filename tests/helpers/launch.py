@@ -153,6 +153,23 @@ class _ForkedRank:
 
 _server: _ForkServer | None = None
 
+# (seconds, deadline) of the running test's pytest timeout, set by tests/conftest.py; None outside pytest
+test_budget: tuple[float, float] | None = None
+MARGIN = 15.0  # seconds left to the test after a launch's budget: to collect and report its ranks
+
+
+def _budget(timeout: float) -> float:
+    """``timeout``, cut to what the running test's pytest timeout leaves (see tests/conftest.py)."""
+    if test_budget is None:
+        return timeout
+    seconds, deadline = test_budget
+    if timeout > seconds - MARGIN:
+        raise ValueError(
+            f"launch(timeout={timeout:.0f}) is more than this test's whole pytest timeout ({seconds:.0f} s) allows:"
+            f" give the test @pytest.mark.timeout({int(timeout + MARGIN) + 1}) or more"
+        )
+    return max(1.0, min(timeout, deadline - time.monotonic() - MARGIN))
+
 
 def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Any:
     """Start one rank: forked from the fork server, or a fresh ``python`` if ``FABRIC_HSDP_TEST_FRESH_PROCESSES=1``."""
@@ -189,6 +206,7 @@ def launch(
     ``LOCAL_RANK``, ``WORLD_SIZE`` (so Fabric picks ``LightningEnvironment`` and the processes are created externally).
     The scenario receives the JSON ``args`` plus ``num_nodes`` and ``devices``.
     """
+    timeout = _budget(timeout)
     world_size = num_nodes * ranks_per_node
     port = free_port()
     workdir = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hsdp-launch-"))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.scenarios.common import SEQ, VOCAB, build, layer_class, logits_of, make_fabric
+from tests.scenarios.common import SEQ, VOCAB, build, full_state, layer_class, logits_of, make_fabric
 
 TOKENS = torch.arange(2 * SEQ).remainder(VOCAB).view(2, SEQ)
 
@@ -20,8 +20,21 @@ def reference_logits(kind: str, reference: str, dtype: str = "float32") -> torch
         return logits_of(model, TOKENS).float()
 
 
+def weights_differing(model: torch.nn.Module, reference: str, dtype: str = "float32") -> list[str]:
+    """The names whose full tensor (this rank's replica, gathered over its shard group) is not exactly the
+    reference file's in ``dtype``: every loaded weight, every row, not only what some tokens' logits reach."""
+    expected = torch.load(reference, weights_only=True)
+    actual = full_state(model)
+    return sorted(
+        name
+        for name, tensor in actual.items()
+        if name not in expected or not torch.equal(tensor, expected[name].to(getattr(torch, dtype)))
+    )
+
+
 def load_cases(num_nodes: int, devices: int, kind: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each case: meta-init the model, set it up, load the file raw, compare logits with a normal CPU build."""
+    """For each case: meta-init the model, set it up, load the file raw, compare every weight exactly with the
+    reference file and the logits with a normal CPU build."""
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)})
     results = []
     for case in cases:
@@ -50,6 +63,7 @@ def load_cases(num_nodes: int, devices: int, kind: str, cases: list[dict[str, An
         expected = reference_logits(kind, case["reference"], case.get("model_dtype", "float32"))
         outcome.update(
             max_logit_diff=(logits - expected).abs().max().item(),
+            weights_differ=weights_differing(model, case["reference"], case.get("model_dtype", "float32")),
             missing=result.missing,
             unexpected=result.unexpected,
             loaded=len(result.loaded),
@@ -69,4 +83,4 @@ def fabric_load_raw_state_dict(num_nodes: int, devices: int, file: str, referenc
     with torch.no_grad():
         logits = logits_of(model, TOKENS).float()
     difference = (logits - reference_logits("llama", reference)).abs().max().item()
-    return {"remainder": remainder, "max_logit_diff": difference}
+    return {"remainder": remainder, "max_logit_diff": difference, "weights_differ": weights_differing(model, reference)}
