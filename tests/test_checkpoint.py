@@ -129,8 +129,9 @@ def test_full_checkpoint_from_rank0(tmp_path, name):
         model = saved["model"]
         for fqn, entries in expected["optimizer"].items():
             assert torch.equal(saved["optimizer"]["state"][fqn]["exp_avg_sq"], entries["exp_avg_sq"])
-        # the Fabric layout loads back with optimizer and plain values, on another topology
-        facts = launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path), "name": name}, num_nodes=1).check()
+        # the Fabric layout loads back with optimizer and plain values, with replicas (2 x 2, split reads)
+        args = {"out": str(tmp_path), "name": name, "split_replica_reads": True}
+        facts = launch("tests.scenarios.checkpoints:load", args).check()
         for value in facts.values:
             _assert_exact(value)
             assert value["remainder"] == {"note": "hi"}

@@ -74,4 +74,91 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/planning/test_plan.py::test_worked_example_65b_error_lists_what_would_fit",),
     ),
+    "5": Plant(
+        "activation checkpointing really applied",
+        "the layers activation_checkpointing selects are not wrapped (checkpoint(child) -> pass)",
+        (("            checkpoint(child)\n", "            pass\n"),),
+        ("tests/test_strategy.py::test_training_matches_single_process[llama-accumulate-clipnorm-ac-and-bugs]",),
+    ),
+    "5b": Plant(
+        "transformers' KV cache off under activation checkpointing",
+        "the use_cache=False fix is not applied",
+        (("        _disable_kv_cache(module, checkpointed)\n", ""),),
+        ("tests/test_strategy.py::test_training_matches_single_process[hf-clipvalue-setup-ac]",),
+    ),
+    "6": Plant(
+        "bf16-mixed reduces gradients in fp32",
+        "bf16-mixed's MixedPrecisionPolicy gets reduce_dtype=bf16",
+        (
+            (
+                '    "bf16-mixed": (torch.bfloat16, torch.float32),\n',
+                '    "bf16-mixed": (torch.bfloat16, torch.bfloat16),\n',
+            ),
+        ),
+        ("tests/test_strategy.py::test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32",),
+    ),
+    "7": Plant(
+        "parity read from every rank: replica 1's parameters",
+        "gradient clipping on the ranks of replica 1 (global rank >= 2 of the 2 x 2 mesh) uses half the max_norm",
+        (
+            (
+                "        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)\n",
+                "        scale = 1.0 if torch.distributed.get_rank() < 2 else 0.5\n"
+                "        torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, total)\n",
+            ),
+        ),
+        ("tests/test_strategy.py::test_training_matches_single_process[llama-accumulate-clipnorm-ac-and-bugs]",),
+    ),
+    "9a": Plant(
+        "no silent skip under make test / CI",
+        "the 1 MiB tmpfs cannot be mounted (the disk-full tests skip)",
+        (('["mount", "-t", "tmpfs"', '["false", "-t", "tmpfs"'),),
+        ("tests/test_cli.py::test_disk_full_exits_1_and_leaves_nothing",),
+        env=(("FABRIC_HSDP_NO_SKIPS", "1"),),
+    ),
+    "9b": Plant(
+        "cluster tests never skip where SLURM is installed (no CI, no make test)",
+        "the cluster's requirements check reports a missing piece",
+        (
+            (
+                "    problems = []\n    if os.geteuid() != 0:",
+                "    problems = ['planted: a piece is missing']\n    if os.geteuid() != 0:",
+            ),
+        ),
+        (
+            "tests/cluster/test_slurm_launchers.py::test_tasks_per_node_unlike_devices_stops_every_rank_with_one_message",
+        ),
+        env=(("CI", ""), ("FABRIC_HSDP_NO_SKIPS", "")),
+    ),
+    "10a": Plant(
+        "a resumed run equals the straight one exactly, not to 4 printed decimals",
+        "a sharded load restores AdamW's exp_avg_sq rounded through bf16",
+        (
+            (
+                "        set_optimizer_state_dict(model, optimizer, targets[key])\n",
+                "        set_optimizer_state_dict(model, optimizer, targets[key])\n"
+                "        for entries in optimizer.state.values():\n"
+                "            if 'exp_avg_sq' in entries:\n"
+                "                entries['exp_avg_sq'].copy_(entries['exp_avg_sq'].bfloat16().float())\n",
+            ),
+        ),
+        ("tests/test_examples.py::test_train_resumes_from_its_sharded_checkpoint_exactly",),
+    ),
+    "10b": Plant(
+        "a full checkpoint with optimizer state loads under TP (litgpt's fused rows) and with replicas",
+        "the full checkpoint's optimizer state ignores the rows tensor parallelism regrouped",
+        (
+            (
+                "                copy_local_part(value, target, fused.get(fqn))\n",
+                "                copy_local_part(value, target, None)\n",
+            ),
+        ),
+        ("tests/test_tp_checkpoints.py::test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts",),
+    ),
+    "11": Plant(
+        "launch budgets within the test's pytest timeout",
+        "launch() takes its timeout as given, whatever the test's pytest timeout leaves",
+        (("    return max(1.0, min(timeout, deadline - time.monotonic() - MARGIN))\n", "    return timeout\n"),),
+        ("tests/test_helpers.py",),
+    ),
 }
