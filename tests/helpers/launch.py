@@ -75,7 +75,7 @@ class LaunchResult:
 class _ForkServer:
     """Client of ``forkserver.py``: starts ranks as forks of one process that has imported torch and Lightning."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
         self._process = subprocess.Popen(
@@ -84,10 +84,11 @@ class _ForkServer:
         self._pending = b""
         self._returncodes: dict[int, int] = {}
         self._started: list[int] = []
-        deadline = time.monotonic() + 120
-        while not self._read_replies(block=True).get("ready"):
+        while not self._read_replies(block=True).get("ready"):  # within the first launch's budget
             if time.monotonic() > deadline or self._process.poll() is not None:
-                raise RuntimeError(f"the fork server did not start (exit {self._process.poll()})")
+                code = self._process.poll()
+                self._process.kill()
+                raise RuntimeError(f"the fork server did not start within the launch's budget (exit {code})")
 
     def _read_replies(self, block: bool) -> dict[str, Any]:
         """Read what the server has written; returns the last non-exit message (``{"pid"}`` or ``{"ready"}``)."""
@@ -171,7 +172,7 @@ def _budget(timeout: float) -> float:
     return max(1.0, min(timeout, deadline - time.monotonic() - MARGIN))
 
 
-def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Any:
+def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path, deadline: float) -> Any:
     """Start one rank: forked from the fork server, or a fresh ``python`` if ``FABRIC_HSDP_TEST_FRESH_PROCESSES=1``."""
     global _server
     stdout.touch()
@@ -180,7 +181,7 @@ def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path) 
         with open(stdout, "w") as out, open(stderr, "w") as err:
             return subprocess.Popen([sys.executable, *command], env=env, stdout=out, stderr=err, start_new_session=True)
     if _server is None:
-        _server = _ForkServer()
+        _server = _ForkServer(deadline)
         atexit.register(_server.close)
     return _server.start(command, env, stdout, stderr)
 
@@ -232,7 +233,7 @@ def launch(
             out_file = workdir / f"rank{global_rank}.pt"
             stdout, stderr = workdir / f"rank{global_rank}.out", workdir / f"rank{global_rank}.err"
             command = [str(WORKER), scenario, json.dumps(call_args), str(out_file)]
-            process = _start(command, rank_env, stdout, stderr)
+            process = _start(command, rank_env, stdout, stderr, start + timeout)
             processes.append((global_rank, process, stdout, stderr, out_file))
 
     timed_out = False
