@@ -41,6 +41,7 @@ from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
 from fabric_hsdp.planning.memory import Workload
+from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
 from fabric_hsdp.sharding import (
     ModulePolicy,
     ShardingPlan,
@@ -130,7 +131,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
             once per replica, and the network carries the other copies. Worth it where the shared filesystem is
             slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default; ``"cpu:gloo,cuda:nccl"`` on CUDA
+            with ``cpu_offload``, whose shards and gradients live in CPU memory.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
             normally fills these in. Without a ``cluster_environment``, one for the launcher that started this process
@@ -286,8 +288,11 @@ class HybridFSDPStrategy(ParallelStrategy):
             device=self.root_device,
             backend=self._process_group_backend,
             timeout=self._timeout,
+            cpu_offload=self._cpu_offload,
         )
         info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
+        placements = gather_placements(self.global_rank, self.node_rank, self.local_rank)
+        check_rank_layout(placements, self.num_processes, self._launched_by)
         if self._shard_size != "auto":  # "auto" needs the model: setup_module chooses
             self._topology = Topology.resolve(
                 self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
