@@ -1,10 +1,12 @@
 """Plant one known bug in a scratch copy of the repository and run the tests that must catch it.
 
-Usage: ``tests/mutations/run.sh N [N ...]`` (or ``all``). For each plant (``plants.py``) the working tree (tracked and
-untracked, not ignored, files) is copied to a temporary directory, each edit replaces one snippet that must occur
-exactly once in the package or the tests (found by content, so renames do not break the plants), and pytest runs the
-plant's tests there. ``caught``: the tests failed (pytest exit 1); ``MISSED``: they passed; ``ERROR``: the edit did
-not apply or pytest could not run them (exit 2-5). Exit status: 0 when every plant given was caught.
+Usage: ``tests/mutations/run.sh N [N ...]`` (or ``all``; ``--check`` only checks that every plant still applies).
+For each plant (``plants.py``) the working tree (tracked and untracked, not ignored, files) is copied to a temporary
+directory, each edit replaces one snippet that must occur exactly once in the package, the tests or the examples
+(found by content, so renames do not break the plants), and pytest runs the plant's tests there. ``caught``: the
+tests failed (pytest exit 1); ``MISSED``: they passed; ``ERROR``: the edit did not apply or pytest could not run them
+(exit 2-5). Read the failure lines it prints: a plant counts only if the failure is the one the test is for. Exit
+status: 0 when every plant given was caught.
 
 Not part of the normal run: pytest collects nothing here (no ``test_*.py``).
 """
@@ -80,7 +82,27 @@ def run(number: str) -> str:
         return verdict
 
 
+def check() -> int:
+    """``--check``: every plant's snippets occur exactly once here (no tests run)."""
+    bad = 0
+    for number, plant in PLANTS.items():
+        for old, _ in plant.edits:
+            counts = sum(
+                path.read_text().count(old)
+                for top in SEARCHED
+                for path in (REPO / top).rglob("*.py")
+                if "mutations" not in path.parts
+            )
+            if counts != 1:
+                bad += 1
+                print(f"plant {number}: its snippet occurs {counts} times:\n{old}")
+    print(f"{len(PLANTS)} plants, {bad} snippet(s) not found exactly once")
+    return 1 if bad else 0
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--check"]:
+        return check()
     numbers = list(PLANTS) if argv in ([], ["all"]) else argv
     verdicts = {number: run(number) for number in numbers}
     print("summary:", ", ".join(f"{n}: {v}" for n, v in verdicts.items()))

@@ -166,6 +166,21 @@ def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) 
     return {"rank": fabric.global_rank}
 
 
+def train_then_fail_to_load(num_nodes: int, devices: int, checkpoint: str, tensor_parallel_size: int = 1) -> None:
+    """A script that trains a step, then loads a checkpoint that lacks a weight: every rank must exit 1, cleanly."""
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
+    )
+    with fabric.init_module(empty_init=True):
+        model = build("llama")
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    inputs, targets = batch(2, seed=fabric.global_rank)
+    fabric.backward(torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
+    optimizer.step()
+    fabric.load_raw(checkpoint, model)  # raises CheckpointError on every rank
+
+
 def fail_on_one_rank(num_nodes: int, devices: int, failing_rank: int) -> None:
     """One rank passes a sharding policy that matches nothing; every rank must end with an error, fast."""
     rank = int(os.environ["NODE_RANK"]) * devices + int(os.environ["LOCAL_RANK"])
