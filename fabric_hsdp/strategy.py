@@ -35,6 +35,7 @@ from fabric_hsdp.checkpoint.full import save_full
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
+from fabric_hsdp.checkpoint.watchdog import IOWatchdog
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
@@ -131,6 +132,10 @@ class HybridFSDPStrategy(ParallelStrategy):
             it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
             once per replica, and the network carries the other copies. Worth it where the shared filesystem is
             slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
+        io_timeout: Seconds (or a ``timedelta``) a rank may spend in its own checkpoint reads or writes without
+            advancing (64 MiB at a time) before every rank fails with a message naming that rank, its host, the file
+            and the bytes it had done; instead of the others waiting in a collective until ``timeout``. Watches
+            sharded saves and loads and raw loads (``"slice"``/``"turns"``). ``None`` turns it off.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default; ``"cpu:gloo,cuda:nccl"`` on CUDA
             with ``cpu_offload``, whose shards and gradients live in CPU memory.
         timeout: Timeout of the collectives.
@@ -159,6 +164,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         load_mode: LoadMode = "slice",
         load_turn_size: int = 1,
         split_replica_reads: bool = False,
+        io_timeout: float | timedelta | None = 600.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Accelerator | None = None,
@@ -187,6 +193,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._split_replica_reads = split_replica_reads
+        self._watchdog = IOWatchdog(io_timeout)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -424,7 +431,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         path = Path(self.broadcast(Path(path).absolute()))
         if self._state_dict_type == "full" or path.suffix == ".safetensors":
             save_full(path, state)
-        else:
+            return
+        with self._watchdog.watch(f"saving checkpoint '{path}'"):
             self._background.started(save_sharded(path, state, self.broadcast, background_group=self._background.group))
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
@@ -475,7 +483,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         model_key, model, optimizers, plain = state_parts(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
             split_mesh = self.parallel_mesh if self._split_replica_reads else None
-            return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
+            with self._watchdog.watch(f"loading checkpoint '{path}'"):
+                return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
         self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
         requested, remainder = restore_extras(
             path, model, optimizers, set(plain), strict=strict, weights_only=weights_only is not False
@@ -508,17 +517,18 @@ class HybridFSDPStrategy(ParallelStrategy):
         """
         self.wait_for_checkpoint()
         path = Path(path)
-        result = load_into_model(
-            path,
-            getattr(module, "module", module),
-            strict=strict,
-            key_map=key_map,
-            load_mode=validate_load_mode(load_mode or self._load_mode),
-            turn_size=self._load_turn_size,
-            weights_only=weights_only,
-            local_rank=self.local_rank,
-            ranks_per_node=self.num_processes,
-        )
+        with self._watchdog.watch(f"loading '{path}'"):
+            result = load_into_model(
+                path,
+                getattr(module, "module", module),
+                strict=strict,
+                key_map=key_map,
+                load_mode=validate_load_mode(load_mode or self._load_mode),
+                turn_size=self._load_turn_size,
+                weights_only=weights_only,
+                local_rank=self.local_rank,
+                ranks_per_node=self.num_processes,
+            )
         if not strict and (result.missing or result.unexpected):
             rank_zero_warn(
                 f"Loaded {len(result.loaded)} tensors from '{path}'; {len(result.missing)} missing in the checkpoint"
