@@ -66,8 +66,12 @@ def test_every_format_and_mode_loads_exactly(llama_files):
         case("compiled.pth"),
         case("prefixed.pth", key_map={"transformer.": ""}),
     ]
-    values = _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases}, timeout=300))
+    # the strategy's process_group_backend and timeout reach the default process group
+    strategy = {"process_group_backend": "gloo", "timeout_seconds": 321}
+    args = {"kind": "llama", "cases": cases, "strategy": strategy}
+    values = _cases(launch("tests.scenarios.loading:load_cases", args, timeout=300))
     for rank_values in values:
+        assert rank_values[0].pop("process_group") == {"backend": "gloo", "timeout_seconds": 321.0}
         for spec, outcome in zip(cases, rank_values):
             assert "error" not in outcome, (spec, outcome)
             assert outcome["max_logit_diff"] == 0.0, (spec, outcome)

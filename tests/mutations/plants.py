@@ -161,4 +161,10 @@ PLANTS: dict[str, Plant] = {
         (("    return max(1.0, min(timeout, deadline - time.monotonic() - MARGIN))\n", "    return timeout\n"),),
         ("tests/test_helpers.py",),
     ),
+    "10c": Plant(
+        "timeout and process_group_backend in a launched run",
+        "the strategy's timeout never reaches the default process group",
+        (("            timeout=self._timeout,\n", ""),),
+        ("tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",),
+    ),
 }

@@ -32,10 +32,28 @@ def weights_differing(model: torch.nn.Module, reference: str, dtype: str = "floa
     )
 
 
-def load_cases(num_nodes: int, devices: int, kind: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def load_cases(
+    num_nodes: int, devices: int, kind: str, cases: list[dict[str, Any]], strategy: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """For each case: meta-init the model, set it up, load the file raw, compare every weight exactly with the
-    reference file and the logits with a normal CPU build."""
-    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)})
+    reference file and the logits with a normal CPU build.
+
+    ``strategy``: more strategy arguments (``timeout_seconds`` becomes ``timeout``); the first result then also says
+    which backend and timeout the default process group got.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    options = dict(strategy or {})
+    if "timeout_seconds" in options:
+        options["timeout"] = timedelta(seconds=options.pop("timeout_seconds"))
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)}, **options)
+    group = dist.distributed_c10d._get_default_group()
+    process_group = {
+        "backend": dist.get_backend(),
+        "timeout_seconds": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+    }
     results = []
     for case in cases:
         with fabric.init_module(empty_init=True):
@@ -70,6 +88,7 @@ def load_cases(num_nodes: int, devices: int, kind: str, cases: list[dict[str, An
             param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
         )
         results.append(outcome)
+    results[0]["process_group"] = process_group
     return results
 
 
