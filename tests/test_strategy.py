@@ -76,12 +76,17 @@ def within_noise(distance: dict[str, float], floor: dict[str, float]) -> dict[st
 @pytest.mark.parametrize(
     "options",
     [
-        {"kind": "llama"},
+        {"kind": "llama", "reshard_after_forward": False},
         {"kind": "llama", "accumulate": 2, "clip": "norm", "activation_checkpointing": True, "bugs": list(BUGS)},
         {"kind": "litgpt", "accumulate": 2, "clip": "norm", "activation_checkpointing": True},
         {"kind": "hf", "clip": "value", "setup_together": True, "activation_checkpointing": True},
     ],
-    ids=["llama", "llama-accumulate-clipnorm-ac-and-bugs", "litgpt-accumulate-clipnorm-ac", "hf-clipvalue-setup-ac"],
+    ids=[
+        "llama-no-reshard",
+        "llama-accumulate-clipnorm-ac-and-bugs",
+        "litgpt-accumulate-clipnorm-ac",
+        "hf-clipvalue-setup-ac",
+    ],
 )
 def test_training_matches_single_process(options):
     values = launch("tests.scenarios.parity:parity", options).check().values
@@ -92,6 +97,7 @@ def test_training_matches_single_process(options):
         assert not within_noise(facts["ours"], facts["floor"]), (rank, facts["ours"], facts["floor"])
         # activation checkpointing really recomputes: each layer's forward runs twice per micro-batch, else once
         assert facts["forwards_per_micro_batch"] == (2 if options.get("activation_checkpointing") else 1), facts
+        assert facts["resharded_after_forward"] is options.get("reshard_after_forward", True)
         if options["kind"] == "hf":  # transformers' KV cache is off under recompute, as gradient_checkpointing does
             assert facts["use_cache"] is False
     # each planted bug is caught by the same criterion

@@ -167,4 +167,16 @@ PLANTS: dict[str, Plant] = {
         (("            timeout=self._timeout,\n", ""),),
         ("tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",),
     ),
+    "10d": Plant(
+        "reshard_after_forward in a launched run",
+        "the strategy's reshard_after_forward never reaches fully_shard",
+        (
+            (
+                "                reshard_after_forward=self._reshard_after_forward,\n"
+                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
+                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
+            ),
+        ),
+        ("tests/test_strategy.py::test_training_matches_single_process[llama-no-reshard]",),
+    ),
 }

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
@@ -36,6 +37,7 @@ class Trained:
     batches: list = field(default_factory=list)  # the inputs of each micro-batch this rank trained on
     forwards_per_micro_batch: float = 0.0  # forward calls of each layer per micro-batch: 2 when it is recomputed
     use_cache: Any = None  # a transformers model's config.use_cache after setup
+    resharded_after_forward: bool | None = None  # a layer's parameters are sharded again after a forward
 
 
 def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -156,7 +158,12 @@ def _train_sharded(
         hook.remove()
     config = getattr(getattr(model, "module", model), "config", None)
     per_micro_batch = forwards[0] / (len(layers) * steps * accumulate)
-    return Trained(losses, norms, full_state(model), seen, per_micro_batch, getattr(config, "use_cache", None))
+    state = full_state(model)
+    with torch.no_grad():  # FSDP2 leaves a layer's parameters gathered after forward with reshard_after_forward=False
+        logits_of(model, inputs[:1])
+    resharded = all(isinstance(p, DTensor) for p in layers[0].parameters())
+    use_cache = getattr(config, "use_cache", None)
+    return Trained(losses, norms, state, seen, per_micro_batch, use_cache, resharded)
 
 
 def _relative(values: list[float], reference: list[float]) -> float:
@@ -234,4 +241,5 @@ def _parity(
         "batches": ours.batches,
         "forwards_per_micro_batch": ours.forwards_per_micro_batch,
         "use_cache": ours.use_cache,
+        "resharded_after_forward": ours.resharded_after_forward,
     }
