@@ -1,5 +1,6 @@
 """Sharded (DCP) and full checkpoints of HybridFSDPStrategy on simulated nodes, in real processes."""
 
+import json
 import subprocess
 import sys
 
@@ -150,6 +151,21 @@ def test_safetensors_refuses_optimizer_state(tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+_LAYERS = [f"layers.{i}" for i in range(2)]
+EXPECTED_SPLIT = {  # parameters tensor parallelism splits under each plan of tests.scenarios.checkpoints
+    "auto": sorted(
+        ["tok_embeddings.weight", "output.weight"]
+        + [f"{layer}.{block}.weight" for layer in _LAYERS for block in
+           ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    ),
+    "dict": sorted(
+        ["output.weight"] + [f"{layer}.feed_forward.{w}.weight" for layer in _LAYERS for w in ("w1", "w2", "w3")]
+    ),
+    "callable": sorted(f"{layer}.feed_forward.{w}.weight" for layer in _LAYERS for w in ("w1", "w2", "w3")),
+}  # fmt: skip
+
+
 def _killed_saves(tmp_path, points, async_save):
     """One launch per kill point (``save_then_killed``): where the kill landed decides what must be at the path."""
     from tests.helpers.dcp_read import read_model_tensors
@@ -160,15 +176,20 @@ def _killed_saves(tmp_path, points, async_save):
         out = tmp_path / f"run{run}"
         out.mkdir()
         victim = 0 if point == "after_commit" else (run * 3 + 1) % 4  # only rank 0 commits
+        # every other run under tensor parallelism (mesh (2, 1, 2)): the same commit must hold there, with each kind
+        # of plan in turn (the model's own, a dict, a callable)
+        plan = ["auto", "dict", "callable"][run // 2 % 3]
         result = launch(
             "tests.scenarios.checkpoints:save_then_killed",
-            # every other run under tensor parallelism (mesh (2, 1, 2)): the same commit must hold there
             {"out": str(out), "point": point, "victim": victim, "async_save": async_save,
-             "tensor_parallel_size": 1 + run % 2},
+             "tensor_parallel_size": 1 + run % 2, "tensor_parallel_plan": plan},
             timeout=60,
             fail_grace=5,
         )  # fmt: skip
         assert not result.timed_out
+        if run % 2:  # the plan took effect: the parameters it splits are on the 3-D mesh, the others are not
+            split = json.loads((out / "split.json").read_text())
+            assert split == EXPECTED_SPLIT[plan], (plan, split)
         details = f"run {run} ({point}, victim {victim}): {result.returncodes}\n" + result.ranks[victim].stderr[-2000:]
         # the victim died where it was told to (a save that raised, or never got there, leaves no marker)
         assert (out / "killed_at").read_text() == point, details

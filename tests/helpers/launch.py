@@ -84,11 +84,11 @@ class _ForkServer:
         self._pending = b""
         self._returncodes: dict[int, int] = {}
         self._started: list[int] = []
-        while not self._read_replies(block=True).get("ready"):  # within the first launch's budget
+        while not self._read_replies(block=True).get("ready"):
             if time.monotonic() > deadline or self._process.poll() is not None:
                 code = self._process.poll()
                 self._process.kill()
-                raise RuntimeError(f"the fork server did not start within the launch's budget (exit {code})")
+                raise RuntimeError(f"the fork server did not start in what the test's timeout left (exit {code})")
 
     def _read_replies(self, block: bool) -> dict[str, Any]:
         """Read what the server has written; returns the last non-exit message (``{"pid"}`` or ``{"ready"}``)."""
@@ -172,17 +172,30 @@ def _budget(timeout: float) -> float:
     return max(1.0, min(timeout, deadline - time.monotonic() - MARGIN))
 
 
-def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path, deadline: float) -> Any:
-    """Start one rank: forked from the fork server, or a fresh ``python`` if ``FABRIC_HSDP_TEST_FRESH_PROCESSES=1``."""
+def _fresh_processes() -> bool:
+    return os.environ.get("FABRIC_HSDP_TEST_FRESH_PROCESSES") == "1"
+
+
+def _start_server() -> None:
+    """Start the fork server once (imports torch, Lightning, transformers: a minute or more on a loaded machine).
+
+    Its start is not charged to the launch that needs it first, only to the test: it may take what the test's pytest
+    timeout leaves (300 s outside pytest).
+    """
     global _server
-    stdout.touch()
-    stderr.touch()
-    if os.environ.get("FABRIC_HSDP_TEST_FRESH_PROCESSES") == "1":
-        with open(stdout, "w") as out, open(stderr, "w") as err:
-            return subprocess.Popen([sys.executable, *command], env=env, stdout=out, stderr=err, start_new_session=True)
-    if _server is None:
+    if _server is None and not _fresh_processes():
+        deadline = test_budget[1] - MARGIN if test_budget is not None else time.monotonic() + 300
         _server = _ForkServer(deadline)
         atexit.register(_server.close)
+
+
+def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Any:
+    """Start one rank: forked from the fork server, or a fresh ``python`` if ``FABRIC_HSDP_TEST_FRESH_PROCESSES=1``."""
+    stdout.touch()
+    stderr.touch()
+    if _fresh_processes():
+        with open(stdout, "w") as out, open(stderr, "w") as err:
+            return subprocess.Popen([sys.executable, *command], env=env, stdout=out, stderr=err, start_new_session=True)
     return _server.start(command, env, stdout, stderr)
 
 
@@ -207,6 +220,7 @@ def launch(
     ``LOCAL_RANK``, ``WORLD_SIZE`` (so Fabric picks ``LightningEnvironment`` and the processes are created externally).
     The scenario receives the JSON ``args`` plus ``num_nodes`` and ``devices``.
     """
+    _start_server()
     timeout = _budget(timeout)
     world_size = num_nodes * ranks_per_node
     port = free_port()
@@ -233,7 +247,7 @@ def launch(
             out_file = workdir / f"rank{global_rank}.pt"
             stdout, stderr = workdir / f"rank{global_rank}.out", workdir / f"rank{global_rank}.err"
             command = [str(WORKER), scenario, json.dumps(call_args), str(out_file)]
-            process = _start(command, rank_env, stdout, stderr, start + timeout)
+            process = _start(command, rank_env, stdout, stderr)
             processes.append((global_rank, process, stdout, stderr, out_file))
 
     timed_out = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -240,6 +241,28 @@ def _arm_kill(point: str, marker: Path) -> None:
     commit.commit = hooked_commit
 
 
+def feed_forward_only(model: torch.nn.Module, mesh: Any) -> None:
+    """A callable tensor-parallel plan: the example LLaMA's feed-forward blocks only (attention stays whole)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in model.layers:
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(layer.feed_forward, mesh, plan, src_data_rank=None)
+
+
+# Plans a launched run takes: "auto" (the model's _tp_plan), a dict of style names, a callable.
+TENSOR_PARALLEL_PLANS = {
+    "auto": "auto",
+    "dict": {
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "output": "colwise_gather_output",
+    },
+    "callable": feed_forward_only,
+}
+
+
 def save_then_killed(
     num_nodes: int,
     devices: int,
@@ -248,16 +271,24 @@ def save_then_killed(
     victim: int,
     async_save: bool = False,
     tensor_parallel_size: int = 1,
+    tensor_parallel_plan: str = "auto",
 ) -> dict:
-    """Save A, train, then save B over it while rank ``victim`` SIGKILLs itself at ``point`` of that save."""
+    """Save A, train, then save B over it while rank ``victim`` SIGKILLs itself at ``point`` of that save.
+
+    Rank 0 writes which parameters tensor parallelism split (``split.json``): the plan given took effect.
+    """
     fabric = make_fabric(
         num_nodes,
         devices,
         sharded_modules={layer_class("llama")},
         async_save=async_save,
         tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_plan=TENSOR_PARALLEL_PLANS[tensor_parallel_plan],
     )
     model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    if fabric.global_rank == 0:
+        split = sorted(name for name, p in model.module.named_parameters() if len(p.placements) == 3)
+        (Path(out) / "split.json").write_text(json.dumps(split))
     path = Path(out) / "ckpt"
     state = {"model": model, "optimizer": optimizer, "step": 1}
     train_steps(fabric, model, optimizer, scheduler, steps=1)
