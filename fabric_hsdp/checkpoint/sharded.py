@@ -100,6 +100,8 @@ def save_sharded(
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     tensors, _ = in_stored_layout(tensors, model)
     try:
+        with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
+            commit.check_shared(staged / META_FILE, path)
         if background_group is not None:
             with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
                 copies = background.copy_to_cpu(tensors)
