@@ -68,8 +68,8 @@ PLANTS: dict[str, Plant] = {
         "with activation checkpointing the planner forgets the one layer being recomputed",
         (
             (
-                "(layer if dims.num_layers else 0)",
-                "0",
+                "    recompute = layer if checkpointed else 0  #",
+                "    recompute = 0  #",
             ),
         ),
         ("tests/planning/test_plan.py::test_worked_example_65b_error_lists_what_would_fit",),
