@@ -200,11 +200,15 @@ def check_bf16_mixed(ctx: Context) -> str:
     losses, step = _steps(fabric, model, optimizer, 4)
     handle.remove()
     assert set(compute) == {torch.bfloat16}, f"forward computed in {set(compute)}, expected bfloat16"
+    inputs, targets = _batch(fabric.device)
+    fabric.backward(_loss(model, inputs, targets))
     grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    assert grads == {torch.float32}, f"sharded gradients reduced into {grads}, expected float32"
+    optimizer.zero_grad()
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0], f"loss did not go down: {losses}"
     return (
-        f"compute bf16, master fp32 (grads {sorted(map(str, grads)) or 'freed'}), loss {losses[0]:.3f} ->"
+        f"compute bf16, master shards and reduced gradients fp32, loss {losses[0]:.3f} ->"
         f" {losses[-1]:.3f}, {1e3 * step:.1f} ms/step"
     )
 

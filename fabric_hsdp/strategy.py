@@ -30,12 +30,19 @@ from typing_extensions import override
 
 from fabric_hsdp import distributed
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.background import BackgroundSaves
-from fabric_hsdp.checkpoint.full import save_full
-from fabric_hsdp.checkpoint.keys import KeyMapSpec
-from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
-from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
-from fabric_hsdp.checkpoint.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
+from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.training.background import BackgroundSaves
+from fabric_hsdp.checkpoint.training.full_gather import save_full
+from fabric_hsdp.checkpoint.training.raw_load import (
+    LoadMode,
+    LoadResult,
+    load_into_model,
+    restore_extras,
+    validate_load_mode,
+)
+from fabric_hsdp.checkpoint.training.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from fabric_hsdp.checkpoint.training.state import state_parts
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero

@@ -373,7 +373,7 @@ def split_parts(num_nodes: int, devices: int) -> dict:
     """What each rank of a 2 x 2 mesh reads of two (Replicate, Shard(0)) tensors, and what the gather puts back."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from fabric_hsdp.checkpoint.replica_split import gather, replica_parts
+    from fabric_hsdp.checkpoint.training.replica_split import gather, replica_parts
 
     fabric = make_fabric(num_nodes, devices)
     mesh = fabric.strategy.device_mesh
