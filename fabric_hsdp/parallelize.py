@@ -136,18 +136,18 @@ def apply_activation_checkpointing(
     """
     from torch.distributed._composable import checkpoint
 
-    chosen = [(name, child) for name, child in module.named_modules() if name and selected(name, child)]
+    checkpointed = [(name, child) for name, child in module.named_modules() if name and selected(name, child)]
     if isinstance(mode, int):
-        chosen = [pair for index, pair in enumerate(chosen, start=1) if index % mode == 0]
-    for _, child in chosen:
+        checkpointed = [pair for index, pair in enumerate(checkpointed, start=1) if index % mode == 0]
+    for _, child in checkpointed:
         if mode == "selective":
             checkpoint(child, context_fn=selective_checkpoint_contexts)
         else:
             checkpoint(child)
-    _disable_kv_cache(module, chosen)
-    if chosen:
-        info_on_rank_zero(_logger, "activation checkpointing (%s): %d modules", mode, len(chosen))
-    return [name for name, _ in chosen]
+    if checkpointed:
+        _disable_kv_cache(module, checkpointed)
+        info_on_rank_zero(_logger, "activation checkpointing (%s): %d modules", mode, len(checkpointed))
+    return [name for name, _ in checkpointed]
 
 
 def saved_ops() -> list[Any]:
