@@ -207,7 +207,7 @@ def _arm_kill(point: str, marker: Path) -> None:
     """
     from torch.distributed.checkpoint import filesystem
 
-    from fabric_hsdp.checkpoint import commit
+    from fabric_hsdp.checkpoint.core import commit
 
     def die(where: str) -> None:
         marker.write_text(where)
