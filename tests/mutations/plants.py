@@ -33,8 +33,8 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         (
-            "tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",
-            "tests/test_load_raw.py::test_transformers_save_pretrained_directories",
+            "tests/checkpoint/test_load_raw.py::test_every_format_and_mode_loads_exactly",
+            "tests/checkpoint/test_load_raw.py::test_transformers_save_pretrained_directories",
         ),
     ),
     "2": Plant(
@@ -48,7 +48,7 @@ PLANTS: dict[str, Plant] = {
                 "        raise OSError('planted: saving over a checkpoint fails')\n",
             ),
         ),
-        ("tests/test_checkpoint.py::test_killed_saves_leave_old_or_new_checkpoint",),
+        ("tests/checkpoint/test_save_load.py::test_killed_saves_leave_old_or_new_checkpoint",),
     ),
     "3": Plant(
         "replica consistency on every parameter and buffer",
@@ -153,7 +153,7 @@ PLANTS: dict[str, Plant] = {
                 "                copy_local_part(value, target, None)\n",
             ),
         ),
-        ("tests/test_tp_checkpoints.py::test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts",),
+        ("tests/tensor_parallel/test_checkpoints.py::test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts",),
     ),
     "11": Plant(
         "launch budgets within the test's pytest timeout",
@@ -165,7 +165,7 @@ PLANTS: dict[str, Plant] = {
         "timeout and process_group_backend in a launched run",
         "the strategy's timeout never reaches the default process group",
         (("            timeout=self._timeout,\n", ""),),
-        ("tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",),
+        ("tests/checkpoint/test_load_raw.py::test_every_format_and_mode_loads_exactly",),
     ),
     "10d": Plant(
         "reshard_after_forward in a launched run",
