@@ -596,8 +596,9 @@ def main(
                 save(step)
             strategy.wait_for_checkpoint()
             retain(fabric, checkpoints, saved[-1], keep_last)
-            requeued = preemption.requeue(fabric)
-            fabric.print(f"stopped at step {step} on a signal; {'requeued' if requeued else 'not requeued'}")
+            requeued = preemption.requeue(fabric)  # rank 0 runs scontrol and says so
+            if fabric.global_rank == 0:
+                fabric.print(f"stopped at step {step} on a signal; {'requeued' if requeued else 'not requeued'}")
             preemption.close()
             return
     preemption.close()
