@@ -21,7 +21,7 @@ LATEST = "latest"
 
 def why_incomplete(path: Path) -> str | None:
     """Why ``path`` is not a whole DCP checkpoint (its ``.metadata`` or a file it names missing), or None."""
-    from fabric_hsdp.checkpoint.dcp_io import check_complete
+    from fabric_hsdp.checkpoint.formats.dcp_metadata import check_complete
 
     try:
         check_complete(path)
