@@ -62,3 +62,46 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
     else:
         fabric.save(path, {"model": model, "optimizer": optimizer})
     return {"finished_after": time.monotonic() - started}  # the watchdog must not let any rank get here
+
+
+def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: int = 1) -> dict:
+    """Stage model + AdamW state twice with :class:`Stager`; write the second with DCP; report sizes and reuse."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from fabric_hsdp.checkpoint.dcp_io import SavePlanner
+    from fabric_hsdp.checkpoint.direct_writer import DirectWriter
+    from fabric_hsdp.checkpoint.sharded import in_stored_layout
+    from fabric_hsdp.checkpoint.staging import Stager
+    from tests.scenarios.checkpoints import _expected_state, train_steps
+
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
+    )
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)
+    group = torch.distributed.new_group(backend="gloo")
+    stager = Stager()
+
+    def state() -> dict:
+        module, inner = model.module, optimizer.optimizer
+        tensors = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, inner)}
+        return in_stored_layout(tensors, model.module)[0]
+
+    first = stager.stage(state(), group)
+    pointers = sorted(buffer.data_ptr() for buffer in stager._buffers.values())
+    second = stager.stage(state(), group)
+    reused = pointers == sorted(buffer.data_ptr() for buffer in stager._buffers.values())
+    expected = _expected_state(model, optimizer, scheduler)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)  # after staging: must not reach the checkpoint
+    path = Path(out) / f"staged-tp{tensor_parallel_size}"
+    second.ready()
+    dcp.save(second.state, storage_writer=DirectWriter(path), planner=SavePlanner(), process_group=group)
+    if fabric.global_rank == 0:
+        torch.save(expected, Path(out) / f"expected-tp{tensor_parallel_size}.pt")
+    local = sum(
+        (t.to_local() if hasattr(t, "to_local") else t).nbytes
+        for t in [*model.state_dict().values(), *(v for s in optimizer.state.values() for v in s.values())]
+        if isinstance(t, torch.Tensor)
+    )
+    return {"staged": [first.nbytes, second.nbytes], "local": local, "reused": reused}
