@@ -128,10 +128,11 @@ class HybridFSDPStrategy(ParallelStrategy):
             time; for files that cannot be memory-mapped) or ``"rank0"`` (only rank 0 reads, tensors are sent out one
             at a time; for a file on one machine only). Override per call with ``strategy.load_raw(...)``.
         load_turn_size: Ranks per node that read at once in ``load_mode="turns"``.
-        split_replica_reads: When loading a sharded checkpoint under HSDP, the R replicas of each shard read 1/R of
-            it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
-            once per replica, and the network carries the other copies. Worth it where the shared filesystem is
-            slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
+        split_replica_reads: When loading under HSDP (a sharded checkpoint, or a raw one in ``load_mode`` ``"slice"``
+            or ``"turns"``), the R replicas of each shard read 1/R of it each and all-gather the rest along
+            ``replicate``: the filesystem serves the checkpoint once instead of once per replica, and the network
+            carries the other copies. Worth it where the shared filesystem is slower than the inter-node network; off
+            by default (on CPU/gloo the gathers are slower than the reads).
         io_timeout: Seconds (or a ``timedelta``) a rank may spend in its own checkpoint reads or writes without
             advancing (64 MiB at a time) before every rank fails with a message naming that rank, its host, the file
             and the bytes it had done; instead of the others waiting in a collective until ``timeout``. Watches
@@ -528,6 +529,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 weights_only=weights_only,
                 local_rank=self.local_rank,
                 ranks_per_node=self.num_processes,
+                split_mesh=self.parallel_mesh if self._split_replica_reads else None,
             )
         if not strict and (result.missing or result.unexpected):
             rank_zero_warn(

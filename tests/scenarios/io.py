@@ -105,3 +105,36 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
         if isinstance(t, torch.Tensor)
     )
     return {"staged": [first.nbytes, second.nbytes], "local": local, "reused": reused}
+
+
+def raw_load_counting_reads(num_nodes: int, devices: int, out: str, split_replica_reads: bool) -> dict:
+    """Raw-load a ``.pth`` and a ``.safetensors`` of a known model; bytes this rank read and exactness of each."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from tests.scenarios.common import ReadCounter, build, full_state
+
+    expected = build("llama", seed=3).state_dict()
+    files = {"pth": Path(out) / "raw.pth", "safetensors": Path(out) / "raw.safetensors"}
+    if int(os.environ.get("RANK", "0")) == 0 and not files["pth"].exists():
+        torch.save(expected, files["pth"])
+        save_file({k: v.contiguous() for k, v in expected.items()}, files["safetensors"])
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, split_replica_reads=split_replica_reads
+    )
+    fabric.barrier()
+    facts: dict[str, Any] = {"file_bytes": sum(t.nbytes for t in expected.values())}
+    counter = ReadCounter()
+    for kind, file in files.items():
+        with fabric.init_module(empty_init=True):
+            model = build("llama", seed=11)
+        model = fabric.setup_module(model)
+        before = counter.bytes
+        fabric.load_raw(file, model)
+        actual = full_state(model.module)
+        facts[kind] = {
+            "bytes_read": counter.bytes - before,
+            "exact": all(torch.equal(actual[k], v) for k, v in expected.items()),
+        }
+    dist.barrier()
+    return facts
