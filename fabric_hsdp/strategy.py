@@ -30,12 +30,19 @@ from typing_extensions import override
 
 from fabric_hsdp import distributed
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.background import BackgroundSaves
-from fabric_hsdp.checkpoint.full import save_full
-from fabric_hsdp.checkpoint.keys import KeyMapSpec
-from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
-from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
-from fabric_hsdp.checkpoint.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
+from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.training.background import BackgroundSaves
+from fabric_hsdp.checkpoint.training.full_gather import save_full
+from fabric_hsdp.checkpoint.training.raw_load import (
+    LoadMode,
+    LoadResult,
+    load_into_model,
+    restore_extras,
+    validate_load_mode,
+)
+from fabric_hsdp.checkpoint.training.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from fabric_hsdp.checkpoint.training.state import state_parts
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
@@ -117,7 +124,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             tensor at a time (``.pth`` in Fabric's layout, or ``.safetensors`` for the model alone). A path ending in
             ``.safetensors`` is always saved full.
         async_save: Write sharded checkpoints in the background: ``fabric.save`` returns once every rank has copied
-            its shards to CPU memory (one extra copy of the local shards while the write runs), and training goes on
+            the chunks it writes to CPU memory (about ``1/R`` of its shards with R replicas, in buffers kept across
+            saves, pinned on CUDA; the copies are issued on a side stream there), and training goes on
             while DCP writes them. The checkpoint appears at its path atomically when written everywhere, as with a
             blocking save. The next save or load, ``wait_for_checkpoint()`` and ``teardown()`` wait for it and raise
             its failure on every rank; at interpreter exit a pending save is finished, and a failed one exits with
@@ -190,11 +198,11 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
-        self._background = BackgroundSaves(enabled=async_save)
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._split_replica_reads = split_replica_reads
         self._watchdog = IOWatchdog(io_timeout)
+        self._background = BackgroundSaves(enabled=async_save, watchdog=self._watchdog)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -434,7 +442,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             save_full(path, state)
             return
         with self._watchdog.watch(f"saving checkpoint '{path}'"):
-            self._background.started(save_sharded(path, state, self.broadcast, background_group=self._background.group))
+            background = self._background if self._background.enabled else None
+            self._background.started(save_sharded(path, state, self.broadcast, background))
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside

@@ -22,7 +22,8 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
     (its watchdog thread runs on). ``stall="save-stop"``: during the next save, ``stalled_rank`` writes one piece,
     then stops its whole process (``SIGSTOP``: no thread of it runs; its ring neighbour must notice).
     """
-    from fabric_hsdp.checkpoint import direct_writer, fileio
+    from fabric_hsdp.checkpoint.core import fileio
+    from fabric_hsdp.checkpoint.writers import direct_writer
 
     # the collectives' own timeout is far away: only the watchdog can end this job in time
     fabric = make_fabric(
@@ -69,10 +70,10 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from fabric_hsdp.checkpoint.dcp_io import SavePlanner
-    from fabric_hsdp.checkpoint.direct_writer import DirectWriter
-    from fabric_hsdp.checkpoint.sharded import in_stored_layout
-    from fabric_hsdp.checkpoint.staging import Stager
+    from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+    from fabric_hsdp.checkpoint.training.sharded import in_stored_layout
+    from fabric_hsdp.checkpoint.training.staging import Stager
+    from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
     from tests.scenarios.checkpoints import _expected_state, train_steps
 
     fabric = make_fabric(
