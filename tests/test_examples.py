@@ -115,7 +115,6 @@ def test_train_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
     assert any(k.startswith("optimizer.state.") for k in straight_tensors), sorted(straight_tensors)[:5]
     assert resumed_tensors.keys() == straight_tensors.keys()
     assert [k for k, v in straight_tensors.items() if not torch.equal(resumed_tensors[k], v)] == []
-    assert final["stopped"]["step"] == final["straight"]["step"] == 8
 
 
 def test_finetune_tells_a_directory_that_is_no_checkpoint_and_falls_back_to_labelled_bytes(tmp_path):
