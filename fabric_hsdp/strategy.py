@@ -43,10 +43,12 @@ from fabric_hsdp.checkpoint.training.raw_load import (
 )
 from fabric_hsdp.checkpoint.training.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from fabric_hsdp.checkpoint.training.state import state_parts
+from fabric_hsdp.float8 import validate_float8
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
+from fabric_hsdp.parallelize import Levers, parallelize, validate_activation_checkpointing_mode, validate_compile
 from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
 from fabric_hsdp.planning.memory import Workload
 from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
@@ -60,10 +62,9 @@ from fabric_hsdp.sharding import (
     offload_policy,
     parameter_names,
     repoint_optimizers,
-    shard_model,
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
-from fabric_hsdp.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, validate_plan
+from fabric_hsdp.tensor_parallel import TensorParallelPlan, validate_plan
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology, validate_shard_size, validate_tensor_parallel_size
 
 _logger = logging.getLogger(__name__)
@@ -117,6 +118,16 @@ class HybridFSDPStrategy(ParallelStrategy):
             group size. ``None`` lets FSDP2 decide (reshard, except for the root).
         activation_checkpointing: Module classes (or a ``(name, module) -> bool`` callable) whose activations are
             recomputed in backward. Uses the composable API, so parameter names stay unchanged.
+        activation_checkpointing_mode: How the modules ``activation_checkpointing`` selects recompute: ``"full"``
+            (default: each keeps only its input), ``"selective"`` (torchtitan's op-level policy: the outputs of
+            matmuls, attention and collectives are kept, the rest recomputed), or an int ``k`` (full recompute of
+            every ``k``-th selected module only).
+        compile: ``True``, or a dict of ``torch.compile`` keyword arguments: each FSDP unit (transformer block) is
+            compiled on its own, in place, after tensor parallelism and activation checkpointing and before
+            ``fully_shard`` (torchtitan's order); parameter and checkpoint names stay unchanged.
+        float8: ``True`` or a torchao recipe name (``"rowwise"``, the default, or ``"tensorwise"``): linear layers
+            compute in float8 (the output head and dims not divisible by 16 excepted). Needs an NVIDIA GPU of
+            compute capability 8.9+ and ``pip install fabric-hsdp[float8]``; refused at construction elsewhere.
         cpu_offload: ``True`` for FSDP2's ``CPUOffloadPolicy()`` (parameters, gradients and optimizer state on CPU), or
             an ``OffloadPolicy`` instance.
         state_dict_type: What ``fabric.save`` writes: ``"sharded"`` (default), a DCP directory written by every rank in
@@ -165,6 +176,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         tensor_parallel_plan: TensorParallelPlan = "auto",
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: ModulePolicy | None = None,
+        activation_checkpointing_mode: Literal["full", "selective"] | int = "full",
+        compile: bool | dict[str, Any] = False,
+        float8: bool | str = False,
         cpu_offload: bool | Any = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         async_save: bool = False,
@@ -188,11 +202,17 @@ class HybridFSDPStrategy(ParallelStrategy):
         )
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
         self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
+        self._levers = Levers(
+            tensor_parallel_plan=validate_plan(tensor_parallel_plan),
+            activation_checkpointing=self._activation_checkpointing,
+            activation_checkpointing_mode=validate_activation_checkpointing_mode(activation_checkpointing_mode),
+            compile=validate_compile(compile),
+            float8=validate_float8(float8),
+        )
         self._shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
         self._memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self._workload = workload
         self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
-        self._tensor_parallel_plan = validate_plan(tensor_parallel_plan)
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
@@ -328,15 +348,12 @@ class HybridFSDPStrategy(ParallelStrategy):
                 )
             plan = ShardingPlan(
                 sharded_modules=self._sharded_modules,
-                activation_checkpointing=self._activation_checkpointing,
                 reshard_after_forward=self._reshard_after_forward,
                 mp_policy=mixed_precision_policy(self.precision_name),
                 offload_policy=offload_policy(self._cpu_offload, self.root_device),
             )
             mesh = self.parallel_mesh
-            if mesh.tensor is not None:  # tensor parallelism first, then activation checkpointing and fully_shard
-                apply_tensor_parallel(module, self._tensor_parallel_plan, mesh.tensor)
-            shard_model(module, mesh.fsdp, plan)
+            parallelize(module, mesh, plan, self._levers)  # float8 -> TP -> AC -> compile -> fully_shard
         # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
         materialize_local_shards(module, self.root_device, self.topology.position_in_copy(self.global_rank))
         make_replicas_identical(module, mesh)
@@ -353,7 +370,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 num_nodes=self.num_nodes,
                 ranks_per_node=self.num_processes,
                 tensor_parallel_size=self._tensor_parallel_size,
-                tensor_parallel_plan=self._tensor_parallel_plan,
+                tensor_parallel_plan=self._levers.tensor_parallel_plan,
                 precision=self.precision_name,
                 workload=self._workload,
                 activation_checkpointing=self._activation_checkpointing is not None,
