@@ -164,7 +164,7 @@ PLANTS: dict[str, Plant] = {
     "10c": Plant(
         "timeout and process_group_backend in a launched run",
         "the strategy's timeout never reaches the default process group",
-        (("            timeout=self._timeout,\n", ""),),
+        (("            timeout=self._timeout,\n", "            timeout=default_pg_timeout,\n"),),
         ("tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",),
     ),
     "10d": Plant(
