@@ -376,6 +376,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 precision=self.precision_name,
                 workload=self._workload,
                 activation_checkpointing=self._activation_checkpointing is not None,
+                activation_checkpointing_mode=self._levers.activation_checkpointing_mode,
                 cpu_offload=self._cpu_offload,
                 reshard_after_forward=self._reshard_after_forward,
                 backend=self._process_group_backend,
