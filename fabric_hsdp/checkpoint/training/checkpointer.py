@@ -56,8 +56,8 @@ class Checkpointer:
         self.load_mode = validate_load_mode(load_mode)
         self.load_turn_size = load_turn_size
         self.split_replica_reads = split_replica_reads
-        self._background = BackgroundSaves(enabled=async_save)
         self._watchdog = IOWatchdog(io_timeout)
+        self._background = BackgroundSaves(enabled=async_save, watchdog=self._watchdog)
 
     def set_up(self, timeout: Any) -> None:
         self._background.set_up(timeout)
@@ -70,10 +70,8 @@ class Checkpointer:
             save_full(path, state)
             return
         with self._watchdog.watch(f"saving checkpoint '{path}'"):
-            if self._background.enabled:
-                self._background.save(path, state, broadcast)
-            else:
-                save_sharded(path, state, broadcast)
+            background = self._background if self._background.enabled else None
+            self._background.started(save_sharded(path, state, broadcast, background))
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure on every rank."""
@@ -94,6 +92,7 @@ class Checkpointer:
         self.wait()
         safe = weights_only is not False  # Fabric's default (None) is the safe loader
         raw = {"strict": strict, "weights_only": safe, "local_rank": local_rank, "ranks_per_node": ranks_per_node}
+        raw["mesh"] = mesh
         if isinstance(state, nn.Module):
             self.load_raw(path, state, **raw)
             return {}
@@ -121,6 +120,7 @@ class Checkpointer:
         weights_only: bool,
         local_rank: int,
         ranks_per_node: int,
+        mesh: Any = None,
         key_map: KeyMapSpec = None,
         load_mode: str | None = None,
     ) -> LoadResult:
@@ -137,6 +137,7 @@ class Checkpointer:
                 weights_only=weights_only,
                 local_rank=local_rank,
                 ranks_per_node=ranks_per_node,
+                split_mesh=mesh if self.split_replica_reads else None,
             )
         if not strict and (result.missing or result.unexpected):
             rank_zero_warn(

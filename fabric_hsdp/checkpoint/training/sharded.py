@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,27 +27,24 @@ from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner, SavePlanne
 from fabric_hsdp.checkpoint.core.progress import log_throughput
 from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete, read_metadata, top_level_keys
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
-from fabric_hsdp.checkpoint.training import replica_split
+from fabric_hsdp.checkpoint.training import background, replica_split
 from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
 
 
-class StagedSave(NamedTuple):
-    """A sharded save begun on every rank: its staging directory and what this rank writes into it."""
+def save_sharded(
+    path: Path,
+    state: dict[str, Any],
+    broadcast: Callable[[Any], Any],
+    background_saves: background.BackgroundSaves | None = None,
+) -> background.BackgroundSave | None:
+    """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
 
-    path: Path
-    staged: Path
-    tensors: dict[str, Any]
-    started: float
-    rank: int  # read on the main thread: a background save ends in DCP's writing thread
-
-
-def stage_save(path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any]) -> StagedSave:
-    """Rank 0 creates the staging sibling of ``path`` and writes the plain values there; every rank takes its model
-    and optimizer state dicts, in the stored layout (rows tensor parallelism regrouped put back in order), and checks
-    that it sees the staging directory (a node-local path fails here, on every rank)."""
+    With ``background_saves`` the chunks this rank writes are copied to CPU memory (its stager's kept buffers) and
+    written from a thread: the returned save is committed when done; ``wait()`` on it raises its failure.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_key, model, optimizers, plain = state_parts(state)
@@ -64,59 +60,36 @@ def stage_save(path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     tensors, _ = in_stored_layout(tensors, model)
-    save = StagedSave(path, staged, tensors, started, rank)
-    seen = f"checking that every rank sees the staging directory of checkpoint '{path}'"
-    with discarded_on_failure(save), fail_together(seen):
-        commit.check_shared(staged / META_FILE, path)
-    return save
-
-
-@contextmanager
-def discarded_on_failure(save: StagedSave) -> Iterator[None]:
-    """On any failure inside, rank 0 removes the staging directory: the previous checkpoint at the path is untouched."""
     try:
-        yield
+        with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
+            commit.check_shared(staged / META_FILE, path)
+        if background_saves is not None:
+            written = background_saves.stager.plan(tensors, background_saves.group)  # a collective
+            with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
+                copies = background_saves.stager.copy(tensors, written)
+            return background_saves.start(copies, staged, path, started)
+        with fail_together(f"saving checkpoint '{path}'"):
+            _save_dcp(tensors, staged, path)
+        with fail_together(f"committing checkpoint '{path}'"):
+            if rank == 0:
+                commit.commit(staged, path)
     except BaseException:
-        if save.rank == 0:
-            commit.discard(save.staged)
+        if rank == 0:
+            commit.discard(staged)  # the previous checkpoint at `path` is untouched
         raise
+    if rank == 0:
+        log_throughput("saved", path, time.monotonic() - started)
+    return None
 
 
-def finish_save(save: StagedSave, write: Callable[[], Any], what: str, *, together: bool = True) -> None:
-    """The one end of every sharded save: ``write()`` the shards; then rank 0 commits the staging directory to the
-    path and logs the throughput (``what``: "saved", ...); on any failure the staging directory is discarded.
-
-    ``together=False`` (a background save's writing thread) runs no collective around the commit: ``write`` returns
-    only once every rank has written.
-    """
-    with discarded_on_failure(save):
-        write()
-        with fail_together(f"committing checkpoint '{save.path}'") if together else nullcontext():
-            if save.rank == 0:
-                commit.commit(save.staged, save.path)
-    if save.rank == 0:
-        log_throughput(what, save.path, time.monotonic() - save.started)
-
-
-def save_sharded(path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any]) -> None:
-    """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
-
-    Saves in the background (``async_save=True``) belong to
-    :class:`~fabric_hsdp.checkpoint.training.background.BackgroundSaves` and end with the same :func:`finish_save`.
-    """
-    save = stage_save(path, state, broadcast)
-    finish_save(save, lambda: _write(save), "saved")
-
-
-def _write(save: StagedSave) -> None:
+def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
-    with fail_together(f"saving checkpoint '{save.path}'"):
-        try:
-            dcp.save(save.tensors, storage_writer=DirectWriter(save.staged), planner=SavePlanner())
-        except CheckpointException as error:
-            raise save_error(error, save.path) from None
+    try:
+        dcp.save(tensors, storage_writer=DirectWriter(staged), planner=SavePlanner())
+    except CheckpointException as error:
+        raise save_error(error, path) from None
 
 
 def in_stored_layout(tensors: dict[str, Any], model: nn.Module) -> tuple[dict[str, Any], list[boxes.Replaced]]:
