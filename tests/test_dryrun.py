@@ -165,3 +165,14 @@ def test_plan_verify_dry_runs_the_recommended_layout(tmp_path, capsys):
     assert verify["local_parameter_bytes"] == recommended["bytes_per_device"]["parameters"]
     assert verify["planned"]["total"] == recommended["bytes_per_device"]["total"]
     assert verify["steps"] == 1 and verify["measured_over_planned"] > 0
+
+
+def test_all_kinds_picks_one_rank_per_role():
+    from fabric_hsdp.dryrun import rank_kinds
+
+    # 16 x 8, shard_size="world", TP 8: mesh (1, 16, 8); TP-group edges and shard-dim edges
+    kinds = rank_kinds((1, 16, 8), devices_per_node=8)
+    assert sorted(kinds) == [0, 7, 120, 127]
+    assert kinds[7] == "mesh corner (0, 0, 7); last of a node"
+    # HSDP 4 x 8: the first and last replica, the first and last rank of a shard group
+    assert sorted(rank_kinds((4, 8), devices_per_node=8)) == [0, 7, 24, 31]
