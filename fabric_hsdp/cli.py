@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -32,7 +32,9 @@ def build_parser() -> Any:
     parser = ArgumentParser(
         prog="fabric-hsdp",
         description="Checkpoints and layouts for fabric-hsdp. `fabric-hsdp run [fabric run's options] SCRIPT`"
-        " launches a script like Lightning's `fabric run`, with --strategy hsdp (see `fabric-hsdp run --help`).",
+        " launches a script like Lightning's `fabric run`, with --strategy hsdp (see `fabric-hsdp run --help`)."
+        " `fabric-hsdp dryrun --num_nodes N --devices_per_node M --rank R SCRIPT [ARGS]` runs it as one rank of"
+        " that cluster in this process (see `fabric-hsdp dryrun --help`).",
         exit_on_error=False,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file with the arguments")
@@ -156,6 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fabric_hsdp.run import main as run_main
 
         return run_main(arguments[1:])
+    if arguments[:1] == ["dryrun"]:  # everything after SCRIPT is the script's: argparse's REMAINDER reads it
+        from fabric_hsdp.dryrun.command import dryrun_parser, run_dryrun
+
+        try:
+            dryrun_args = dryrun_parser().parse_args(arguments[1:])
+        except ValueError as error:
+            print(f"fabric-hsdp: error: {_one_line(error)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except SystemExit as done:  # --help
+            return int(done.code or 0)
+        return _report_errors(lambda: run_dryrun(dryrun_args), dryrun_args.debug)
     parser = build_parser()
     try:
         config = parser.parse_args(arguments)
@@ -163,7 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fabric-hsdp: error: {_one_line(error)} (see fabric-hsdp --help)", file=sys.stderr)
         return EXIT_BAD_INPUT
     args = config[config.command]
-    debug = bool(config.debug or args.debug)
+    return _report_errors(lambda: _run(config.command, args), bool(config.debug or args.debug))
+
+
+def _report_errors(work: Callable[[], None], debug: bool) -> int:
+    """Run ``work`` with the package's log on stderr; one line per error, the exit code by its kind."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("fabric-hsdp: %(message)s"))
     logger = logging.getLogger("fabric_hsdp")
@@ -172,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.handlers, logger.propagate = [handler], False
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
     try:
-        _run(config.command, args)
+        work()
     except KeyboardInterrupt:
         print("fabric-hsdp: interrupted; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED

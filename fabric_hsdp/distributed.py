@@ -27,26 +27,45 @@ def init_process_group(
     device: torch.device,
     backend: str | None,
     timeout: timedelta | None,
+    cpu_offload: bool | Any = False,
 ) -> str:
     """Set the world ranks on ``environment`` (node by node), then initialise the default process group.
 
     Returns:
-        The backend used: ``backend``, or ``nccl`` on CUDA and ``gloo`` on CPU.
+        The backend used: see :func:`choose_backend`.
     """
     reset_seed()
     environment.set_global_rank(node_rank * ranks_per_node + local_rank)
     environment.set_world_size(num_nodes * ranks_per_node)
     rank_zero_only.rank = utils_rank_zero_only.rank = environment.global_rank()
-    backend = backend or _get_default_process_group_backend_for_device(device)
+    backend = choose_backend(device, backend, cpu_offload)
     _init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
     return backend
+
+
+def choose_backend(device: torch.device, backend: str | None, cpu_offload: bool | Any) -> str:
+    """The process group's backend: ``backend`` if given, else ``nccl`` on CUDA and ``gloo`` on CPU.
+
+    With CPU offload on an accelerator, FSDP2 keeps the shards and gradients in CPU memory, and the collectives on
+    them (replicas' broadcast, the gradient norm, full gathers for a save, rank 0 loads) need a CPU backend beside
+    the accelerator's: ``"cpu:gloo,cuda:nccl"``, each tensor's collective served by its own device's backend.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if backend:
+        return backend
+    default = _get_default_process_group_backend_for_device(device)
+    offloads = cpu_offload is True or isinstance(cpu_offload, CPUOffloadPolicy)
+    if offloads and device.type != "cpu" and ":" not in default:
+        return f"cpu:gloo,{device.type}:{default}"
+    return default
 
 
 def barrier(device: torch.device) -> None:
     """Wait for every rank (on NCCL, on this rank's device)."""
     if not _distributed_is_initialized():
         return
-    if dist.get_backend() == "nccl":
+    if "nccl" in str(dist.get_backend()):  # "nccl", or "cpu:gloo,cuda:nccl" under CPU offload
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()

@@ -4,12 +4,13 @@ Under ``empty_init=True`` every *parameter* is moved to the meta device as soon 
 building a 70B model costs no memory and no init time. Buffers are left alone: they are small, and non-persistent
 ones (RoPE ``inv_freq``, ``cos``/``sin`` caches) are computed in ``__init__`` from values that a meta tensor would
 lose. After sharding, each rank allocates only its local shards on its own device and runs ``reset_parameters()``
-of the modules that owned meta parameters, as Lightning does (Hugging Face models: the root's ``_init_weights``).
+of the modules that owned meta parameters, as Lightning does; transformers models get their own ``_init_weights``.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,19 +46,79 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def _initialize(module: nn.Module, owners: list[nn.Module]) -> set[str]:
-    """Run each owner's ``reset_parameters()``; returns the classes that have no way to initialise themselves."""
-    # Hugging Face models initialise submodules through the root's `_init_weights(submodule)` instead.
+    """Initialise each owner as its model would; returns the classes that have no way to initialise themselves.
+
+    A transformers ``PreTrainedModel`` initialises its submodules itself (``_init_weights``: normal(0,
+    ``initializer_range``), zero padding rows, ones for norms), not with torch's ``reset_parameters()`` (Kaiming,
+    normal(0, 1) embeddings): the model's own init is used for every submodule it contains, as ``from_config`` does.
+    Elsewhere each owner's ``reset_parameters()``, else the root's ``_init_weights(submodule)``.
+    """
+    pretrained = _pretrained_owner_of(module)
     hf_init = getattr(module, "_init_weights", None)
     uninitialized = set()
     for sub in owners:
         reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
+        if id(sub) in pretrained:
+            _init_like_transformers(pretrained[id(sub)], sub)
+        elif callable(reset):
             reset()
         elif callable(hf_init):
             hf_init(sub)
         else:
             uninitialized.add(type(sub).__name__)
     return uninitialized
+
+
+def _pretrained_owner_of(module: nn.Module) -> dict[int, nn.Module]:
+    """``id(submodule)`` -> the innermost transformers ``PreTrainedModel`` holding it (composite models nest them)."""
+    transformers = sys.modules.get("transformers")  # a model of that class exists only if transformers is imported
+    if transformers is None:
+        return {}
+    owner_of: dict[int, nn.Module] = {}
+
+    def walk(sub: nn.Module, owner: nn.Module | None) -> None:
+        if isinstance(sub, transformers.PreTrainedModel):
+            owner = sub
+        if owner is not None:
+            owner_of[id(sub)] = owner
+        for child in sub.children():
+            walk(child, owner)
+
+    walk(module, None)
+    return owner_of
+
+
+@torch.no_grad()
+def _init_like_transformers(pretrained: nn.Module, sub: nn.Module) -> None:
+    """``pretrained._init_weights(sub)``, with an embedding's padding row zeroed through the local shard.
+
+    transformers zeroes ``weight[padding_idx]``, an index into a sharded DTensor's rows; here the rank whose local
+    shard holds that row zeroes it.
+    """
+    padding_idx = sub.padding_idx if isinstance(sub, nn.Embedding) else None
+    if padding_idx is not None:
+        sub.padding_idx = None
+    try:
+        pretrained._init_weights(sub)
+    finally:
+        if padding_idx is not None:
+            sub.padding_idx = padding_idx
+    if padding_idx is not None:
+        _zero_row(sub.weight, padding_idx)
+
+
+def _zero_row(weight: torch.Tensor, row: int) -> None:
+    """Zero row ``row`` of the full tensor ``weight`` (a DTensor: in the local shard, if this rank holds it)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(weight, DTensor):
+        weight.data[row].zero_()
+        return
+    local = weight.to_local()
+    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    if offset[0] <= row < offset[0] + shape[0]:
+        local[row - offset[0]].zero_()
 
 
 def make_replicas_identical(module: nn.Module, mesh: ParallelMesh) -> None:
@@ -79,6 +140,13 @@ def make_replicas_identical(module: nn.Module, mesh: ParallelMesh) -> None:
                     dist.broadcast(local, group=mesh.group(dim), group_src=0)
 
 
+def local_shards_on_cpu(module: nn.Module) -> bool:
+    """Whether a parameter's local shard is in CPU memory: the device that decides how random init is seeded."""
+    from torch.distributed.tensor import DTensor
+
+    return any((p.to_local() if isinstance(p, DTensor) else p).device.type == "cpu" for p in module.parameters())
+
+
 def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
 
@@ -88,8 +156,9 @@ def materialize_local_shards(module: nn.Module, device: torch.device, position_i
 
     Real buffers keep their values (``to_empty`` would replace them with uninitialised memory); only modules that
     owned meta tensors are re-initialised. On CUDA, DTensor's random ops give each shard its own part of one random
-    stream. On CPU they draw from each rank's own generator, so every shard peer would draw the *same* numbers (each
-    full parameter its first shard repeated): there each part of a model copy (``position_in_copy``: shard and
+    stream. Local shards in CPU memory (a CPU run, or CPU offload on CUDA, whose mesh is still CUDA's) draw from each
+    rank's own CPU generator, so every shard peer would draw the *same* numbers (each full parameter its first shard
+    repeated): there each part of a model copy (``position_in_copy``: shard and
     tensor-parallel index) gets its own seed, derived from rank 0's; :func:`make_replicas_identical` then makes the
     copies of replicated values equal.
     """
@@ -106,12 +175,12 @@ def materialize_local_shards(module: nn.Module, device: torch.device, position_i
     module.to_empty(device=device)
     for sub, name, buffer in saved_buffers:
         sub._buffers[name] = buffer.to(device)
-    if device.type == "cpu":
+    if local_shards_on_cpu(module):
         seed = [torch.initial_seed()]
         dist.broadcast_object_list(seed, src=0)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
-            torch.manual_seed(seed[0] + 1 + position_in_copy)
+            torch.random.default_generator.manual_seed(seed[0] + 1 + position_in_copy)  # the CPU generator only
             uninitialized = _initialize(module, owners)
     else:
         uninitialized = _initialize(module, owners)

@@ -36,12 +36,14 @@ from fabric_hsdp.checkpoint.full import save_full
 from fabric_hsdp.checkpoint.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
+from fabric_hsdp.checkpoint.watchdog import IOWatchdog
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
 from fabric_hsdp.planning.memory import Workload
+from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
 from fabric_hsdp.sharding import (
     ModulePolicy,
     ShardingPlan,
@@ -149,7 +151,12 @@ class HybridFSDPStrategy(ParallelStrategy):
             it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
             once per replica, and the network carries the other copies. Worth it where the shared filesystem is
             slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
+        io_timeout: Seconds (or a ``timedelta``) a rank may spend in its own checkpoint reads or writes without
+            advancing (64 MiB at a time) before every rank fails with a message naming that rank, its host, the file
+            and the bytes it had done; instead of the others waiting in a collective until ``timeout``. Watches
+            sharded saves and loads and raw loads (``"slice"``/``"turns"``). ``None`` turns it off.
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default; ``"cpu:gloo,cuda:nccl"`` on CUDA
+            with ``cpu_offload``, whose shards and gradients live in CPU memory.
         timeout: Timeout of the collectives.
         accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
             normally fills these in. Without a ``cluster_environment``, one for the launcher that started this process
@@ -178,6 +185,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         load_mode: LoadMode = "slice",
         load_turn_size: int = 1,
         split_replica_reads: bool = False,
+        io_timeout: float | timedelta | None = 600.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: Accelerator | None = None,
@@ -209,6 +217,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._split_replica_reads = split_replica_reads
+        self._watchdog = IOWatchdog(io_timeout)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -310,8 +319,11 @@ class HybridFSDPStrategy(ParallelStrategy):
             device=self.root_device,
             backend=self._process_group_backend,
             timeout=self._timeout,
+            cpu_offload=self._cpu_offload,
         )
         info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
+        placements = gather_placements(self.global_rank, self.node_rank, self.local_rank)
+        check_rank_layout(placements, self.num_processes, self._launched_by)
         if self._shard_size != "auto":  # "auto" needs the model: setup_module chooses
             self._topology = Topology.resolve(
                 self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
@@ -454,7 +466,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         with module_layout():  # the checkpoint code maps tensor parallelism's regrouped rows itself
             if self._state_dict_type == "full" or path.suffix == ".safetensors":
                 save_full(path, state)
-            else:
+                return
+            with self._watchdog.watch(f"saving checkpoint '{path}'"):
                 save = save_sharded(path, state, self.broadcast, background_group=self._background.group)
                 self._background.started(save)
 
@@ -521,7 +534,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         model_key, model, optimizers, plain = state_parts(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
             split_mesh = self.parallel_mesh if self._split_replica_reads else None
-            with module_layout():
+            with module_layout(), self._watchdog.watch(f"loading checkpoint '{path}'"):
                 return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
         self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
         with module_layout():
@@ -556,7 +569,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         """
         self.wait_for_checkpoint()
         path = Path(path)
-        with module_layout():
+        with module_layout(), self._watchdog.watch(f"loading '{path}'"):
             result = load_into_model(
                 path,
                 getattr(module, "module", module),

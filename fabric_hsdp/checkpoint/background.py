@@ -30,6 +30,7 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint import commit
 from fabric_hsdp.checkpoint.boxes import StoredBoxes
 from fabric_hsdp.checkpoint.dcp_io import SavePlanner, save_error
+from fabric_hsdp.checkpoint.direct_writer import DirectWriter
 from fabric_hsdp.checkpoint.progress import log_throughput
 from fabric_hsdp.errors import SaveError
 
@@ -131,7 +132,7 @@ def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started:
 
     future = dcp.async_save(
         copies,
-        storage_writer=dcp.FileSystemWriter(str(staged)),
+        storage_writer=DirectWriter(staged),
         planner=SavePlanner(),
         process_group=group,
         async_stager=_AlreadyStaged(),

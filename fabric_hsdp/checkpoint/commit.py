@@ -17,6 +17,8 @@ import errno
 import logging
 import os
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,6 +63,29 @@ def remove_leftovers(path: Path) -> None:
             continue
         _logger.info("removing %s, left by an interrupted save", stale)
         remove_path(stale)
+
+
+def check_shared(marker: Path, path: Path, timeout: float = 10.0) -> None:
+    """Raise unless this rank sees ``marker``, a file rank 0 wrote into the staging directory of ``path``.
+
+    Every rank writes its shards into that directory and rank 0 commits it: on a path local to each node, the
+    other nodes' shards would stay behind in their own copies and the checkpoint would fail only at load. Waits up
+    to ``timeout`` seconds (a shared filesystem may show a new file late) and returns at once in the usual case.
+
+    Raises:
+        FileNotFoundError: This rank does not see the file; the message says why that matters and what to do.
+    """
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(
+                f"checkpoint '{path}' is not on a directory shared by every node: this rank (host"
+                f" {socket.gethostname()}) does not see '{marker.name}' that rank 0 wrote into the staging directory"
+                f" '{marker.parent}' {timeout:.0f} s ago, so its shards would be lost. Save to a filesystem every"
+                " node mounts (NFS, Lustre, GPFS), or save a full checkpoint (state_dict_type='full': rank 0"
+                " writes, load it with load_mode='rank0')."
+            )
+        time.sleep(0.1)
 
 
 def discard(staged: Path) -> None:

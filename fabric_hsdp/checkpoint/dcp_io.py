@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from fabric_hsdp.checkpoint import commit, fileio
+from fabric_hsdp.checkpoint import commit, fileio, watchdog
 from fabric_hsdp.checkpoint.boxes import lookup, stored_boxes_in
 from fabric_hsdp.errors import CheckpointError, SaveError, unsafe_pickle_error
 
@@ -164,11 +164,12 @@ class OneCopyReader(FileSystemReader):
                 by_file.setdefault(info.relative_path, []).append(item)
         for relative_path, items in by_file.items():
             file = Path(self.path) / relative_path
-            with open(file, "rb") as stream:
+            with watchdog.doing_io("reading", str(file)), open(file, "rb") as stream:
                 for item in items:
                     self._read_item(stream, str(file), item, planner)
         if others:
-            return super().read_data(LoadPlan(others), planner)
+            with watchdog.doing_io("reading", str(self.path)):
+                return super().read_data(LoadPlan(others), planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future

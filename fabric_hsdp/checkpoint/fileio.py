@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
-# Reads are issued in pieces of this size; short reads (signals, >2 GiB requests on Linux) are retried.
-_READ_PIECE = 1 << 30
+from fabric_hsdp.checkpoint import watchdog
+
+# Reads are issued in pieces of this size (each one reported to the I/O watchdog); short reads are retried.
+_READ_PIECE = 64 << 20
 # A slice that is not a run of whole rows is assembled from row blocks of at most this many bytes.
 _SLICE_BLOCK = 64 << 20
 
@@ -94,6 +96,7 @@ def readinto(fd: int, target: torch.Tensor, offset: int, *, file_name: str) -> N
                 f" {offset + done}. Re-copy or re-save the checkpoint."
             )
         done += count
+        watchdog.advance(count, file_name)
 
 
 def read_tensor(

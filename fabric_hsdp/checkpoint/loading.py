@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint import watchdog
 from fabric_hsdp.checkpoint.boxes import global_box, stored_pieces
 from fabric_hsdp.checkpoint.fileio import release_freed_memory
 from fabric_hsdp.checkpoint.formats import open_checkpoint
@@ -201,7 +202,10 @@ def _progress(source: CheckpointSource, names: list[str], what: str) -> Progress
 
 
 def _load_slices(load: _Load) -> LoadResult:
-    with open_checkpoint(load.path, weights_only=load.weights_only) as source:
+    with (
+        watchdog.doing_io("reading", str(load.path)),
+        open_checkpoint(load.path, weights_only=load.weights_only) as source,
+    ):
         match, mismatched = load.plan(source)
         names = [k for k in match.mapping if k not in mismatched]
         bar = _progress(source, [match.mapping[k] for k in names], f"loading {load.path.name}")

@@ -35,6 +35,7 @@ from fabric_hsdp.checkpoint.dcp_io import (
     save_error,
     top_level_keys,
 )
+from fabric_hsdp.checkpoint.direct_writer import DirectWriter
 from fabric_hsdp.checkpoint.progress import log_throughput
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
@@ -99,6 +100,8 @@ def save_sharded(
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     tensors, _ = in_stored_layout(tensors, model)
     try:
+        with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
+            commit.check_shared(staged / META_FILE, path)
         if background_group is not None:
             with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
                 copies = background.copy_to_cpu(tensors)
@@ -122,7 +125,7 @@ def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(staged)), planner=SavePlanner())
+        dcp.save(tensors, storage_writer=DirectWriter(staged), planner=SavePlanner())
     except CheckpointException as error:
         raise save_error(error, path) from None
 

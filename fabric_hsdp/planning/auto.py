@@ -70,11 +70,16 @@ def auto_topology(
     cpu_offload: Any,
     reshard_after_forward: bool | int | None,
     backend: str | None,
+    activation_checkpointing_mode: str | int = "full",
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> tuple[Topology, Plan]:
     """Plan ``module`` with ``budget`` bytes per device; return the topology of the recommended layout and the plan.
 
     The tensor-parallel size is the strategy's (the plan varies ``shard_size`` only); the split dims come from its
-    ``tensor_parallel_plan``. No collectives.
+    ``tensor_parallel_plan``. The levers (AC mode, sequence and loss parallel) change the activation estimate as
+    ``fabric-hsdp plan``'s options do. The ranking is the plan's (per token; with the TP size fixed, the tokens per
+    step are the same for every row). No collectives.
 
     Raises:
         NoLayoutFitsError: Nothing fits the budget; the message gives the smallest total and what would fit.
@@ -86,6 +91,9 @@ def auto_topology(
         activation_checkpointing=activation_checkpointing,
         cpu_offload=_offloads(cpu_offload),
         reshard_after_forward=None if reshard_after_forward is None else bool(reshard_after_forward),
+        activation_checkpointing_mode=activation_checkpointing_mode,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
     )
     model = model_shape_of_module(module, tensor_parallel_plan=tensor_parallel_plan)
     plan = make_plan(model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size])

@@ -9,7 +9,7 @@ from fabric_hsdp.planning.memory import OPTIMIZERS, PRECISION_BYTES
 from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN
 
 PLAN_HELP = """Which shard_size (and tensor_parallel_size) fits a model in device memory with the least traffic
-between nodes.
+between nodes per token (with bandwidths: the shortest estimated step time per token, compute included).
 
 MODEL: a transformers config.json or its directory, a litgpt model_config.yaml or config name (e.g. Llama-2-7b-hf),
 or any checkpoint fabric-hsdp can open (shapes from its header; no tensor data is read). One row per layout the
@@ -39,6 +39,17 @@ def plan_parser() -> Any:
     parser.add_argument("--micro_batch_size", type=int, default=1, help="sequences per device per forward")
     parser.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--activation_checkpointing", type=bool, default=False, help="recompute each layer in backward")
+    parser.add_argument(
+        "--activation_checkpointing_mode", type=str, default="full", help="full, selective, none or k (every k-th)"
+    )
+    parser.add_argument("--sequence_parallel", type=bool, default=False, help="sequence parallelism with TP")
+    parser.add_argument("--loss_parallel", type=bool, default=False, help="vocabulary-sharded loss with TP")
+    parser.add_argument(
+        "--device_flops", type=str | None, default=None, help="peak FLOP/s per device, e.g. 989TFLOPS (with bandwidths)"
+    )
+    parser.add_argument(
+        "--compute_efficiency", type=float, default=0.4, help="fraction of the peak the model runs at (with bandwidths)"
+    )
     parser.add_argument("--cpu_offload", type=bool, default=False, help="sharded state in CPU memory")
     parser.add_argument(
         "--reshard_after_forward", type=bool | None, default=None, help="as HybridFSDPStrategy's (default: FSDP2's)"
@@ -73,6 +84,8 @@ def run_plan(args: Any) -> None:
         inter_node_bandwidth=args.inter_node_bandwidth,
         intra_node_bandwidth=args.intra_node_bandwidth,
         backend=args.backend,
+        device_flops=args.device_flops,
+        compute_efficiency=args.compute_efficiency,
     )
     training = Training(
         precision=args.precision,
@@ -80,6 +93,9 @@ def run_plan(args: Any) -> None:
         activation_checkpointing=args.activation_checkpointing,
         cpu_offload=args.cpu_offload,
         reshard_after_forward=args.reshard_after_forward,
+        activation_checkpointing_mode=args.activation_checkpointing_mode,
+        sequence_parallel=args.sequence_parallel,
+        loss_parallel=args.loss_parallel,
     )
     sizes = None if args.tensor_parallel_size is None else [args.tensor_parallel_size]
     plan = make_plan(load_model_shape(args.model), cluster, training, args.safety_margin, sizes)

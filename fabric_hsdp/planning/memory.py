@@ -19,9 +19,21 @@ foreach AdamW (``sqrt`` of the second moment).
 Activations are an estimate, per token of the micro-batch, for a Llama-style block with fused (flash or
 memory-efficient) attention, in bytes: ``b_a (2h + (5h + 2 kv + 4 i) / T) + 2 h max(b_a, 4)`` per layer (the last
 term: the norms' fp32 copies); the output head and the loss ``V (b_a + 8)`` (logits, fp32 log-probabilities and
-their gradient). With activation checkpointing each layer keeps only its input, ``h b_a``, and one layer is
-recomputed at a time. Measured against autograd's saved tensors for this repository's tiny Llama, transformers'
+their gradient). Measured against autograd's saved tensors for this repository's tiny Llama, transformers'
 ``LlamaDecoderLayer`` and litgpt's ``Block`` (docs/concepts.md).
+
+The levers change that estimate:
+
+* activation checkpointing ``"full"``: each layer keeps only its input, ``h b_a``, and one layer is recomputed at a
+  time (its whole activations, once). An int ``k``: every k-th block (index 0, k, 2k, ...) is checkpointed, the
+  others keep everything. ``"selective"`` (torchtitan's op-level policy: save the outputs of matmuls, attention and
+  collectives, recompute the rest): each layer keeps ``b_a (3h + (2h + 2 kv + 2 i) / T)`` (its input, the q/k/v,
+  attention, gate and up outputs, the two row-wise outputs), plus one layer's recompute;
+* sequence parallelism (with TP): the activations outside the tensor-parallel region (the ``2h`` term, the norms'
+  fp32 copies, a checkpointed layer's input, the row-wise outputs) are split by ``T`` too;
+* loss parallel (with TP): the logits and the loss stay vocabulary-sharded, ``V (b_a + 8) / T``.
+
+These lever estimates follow from the formulas above; benchmarks/levers.py measures the levers themselves.
 """
 
 from __future__ import annotations
@@ -88,18 +100,70 @@ class Workload:
         return self.micro_batch_size * self.seq_len
 
 
+AC_MODES: tuple[str, ...] = ("none", "full", "selective")
+
+
+def validate_activation_checkpointing_mode(mode: str | int) -> str | int:
+    """``"none"``, ``"full"``, ``"selective"`` or a positive int k (every k-th block), as the strategy takes it.
+
+    Raises:
+        ValueError: Anything else.
+    """
+    if isinstance(mode, str) and mode.isdigit():
+        mode = int(mode)
+    if isinstance(mode, bool) or not (mode in AC_MODES or (isinstance(mode, int) and mode >= 1)):
+        raise ValueError(
+            f"activation_checkpointing_mode={mode!r} is not known; choose one of {', '.join(AC_MODES)} or a positive"
+            " int k (every k-th block)."
+        )
+    return mode
+
+
 @dataclass(frozen=True)
 class Training:
-    """How the model is trained: precision, workload and the strategy's memory options."""
+    """How the model is trained: precision, workload and the strategy's memory and throughput options.
+
+    Attributes:
+        precision: Fabric's precision string.
+        workload: Micro-batch, sequence length and optimizer.
+        activation_checkpointing: Whether the layers are checkpointed (as ``HybridFSDPStrategy``'s argument).
+        activation_checkpointing_mode: How, when they are: ``"full"`` (default), ``"selective"`` or an int k (every
+            k-th block); ``"none"`` turns it off whatever ``activation_checkpointing`` says.
+        cpu_offload: Sharded state in CPU memory.
+        reshard_after_forward: As the strategy's (None: FSDP2's default).
+        sequence_parallel: Sequence parallelism with TP (norms on sequence-sharded activations).
+        loss_parallel: Vocabulary-sharded logits and loss with TP.
+    """
 
     precision: str = "bf16-mixed"
     workload: Workload = field(default_factory=Workload)
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     reshard_after_forward: bool | None = None
+    activation_checkpointing_mode: str | int = "full"
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", validate_precision(self.precision))
+        mode = validate_activation_checkpointing_mode(self.activation_checkpointing_mode)
+        object.__setattr__(self, "activation_checkpointing_mode", mode)
+        if mode == "none":
+            object.__setattr__(self, "activation_checkpointing", False)
+
+    @property
+    def checkpointing(self) -> str | int:
+        """The mode in effect: ``"none"``, ``"full"``, ``"selective"`` or k."""
+        return self.activation_checkpointing_mode if self.activation_checkpointing else "none"
+
+    def checkpointed_layers(self, num_layers: int) -> int:
+        """How many of ``num_layers`` blocks are checkpointed (full or selective)."""
+        mode = self.checkpointing
+        if mode == "none":
+            return 0
+        if isinstance(mode, int):
+            return math.ceil(num_layers / mode)  # blocks 0, k, 2k, ...
+        return num_layers
 
     @property
     def state_bytes(self) -> int:
@@ -226,19 +290,35 @@ def memory_per_device(model: ModelShape, training: Training, fsdp_size: int, ten
 
 def activation_bytes(model: ModelShape, training: Training, tensor_parallel_size: int = 1) -> int:
     """Estimated peak activation bytes per device for one micro-batch (see the module docstring)."""
-    dims = model.dims
-    tokens = training.workload.tokens
-    layer = tokens * layer_activation_bytes_per_token(dims, training.compute_bytes, tensor_parallel_size)
-    head = tokens * dims.vocab_size * (training.compute_bytes + 8)
-    if training.activation_checkpointing:
-        saved = dims.num_layers * tokens * dims.hidden_size * training.compute_bytes + (layer if dims.num_layers else 0)
+    dims, tokens, element = model.dims, training.workload.tokens, training.compute_bytes
+    tensor = tensor_parallel_size
+    outside = tensor if training.sequence_parallel else 1  # the region outside TP, sequence-sharded with SP
+    layer = tokens * layer_activation_bytes_per_token(dims, element, tensor, outside)
+    vocabulary = tensor if training.loss_parallel else 1
+    head = tokens * dims.vocab_size * (element + 8) / vocabulary
+    checkpointed = training.checkpointed_layers(dims.num_layers)
+    if training.checkpointing == "selective":
+        kept = tokens * element * (3 * dims.hidden_size / outside + _selective_split(dims) / tensor)
     else:
-        saved = dims.num_layers * layer
+        kept = tokens * dims.hidden_size * element / outside
+    recompute = layer if checkpointed else 0  # one checkpointed layer's forward runs again at a time
+    saved = checkpointed * kept + (dims.num_layers - checkpointed) * layer + recompute
     return int(saved + head)
 
 
-def layer_activation_bytes_per_token(dims: TransformerDims, element_bytes: int, tensor_parallel_size: int = 1) -> float:
-    """What one Llama-style block keeps for backward per token: ``b_a (2h + (5h + 2kv + 4i) / T) + 2h max(b_a, 4)``."""
+def layer_activation_bytes_per_token(
+    dims: TransformerDims, element_bytes: int, tensor_parallel_size: int = 1, outside_divisor: int = 1
+) -> float:
+    """What one Llama-style block keeps for backward per token: ``b_a (2h + (5h + 2kv + 4i) / T) + 2h max(b_a, 4)``.
+
+    ``outside_divisor``: ``T`` with sequence parallelism (the ``2h`` terms are sequence-sharded), else 1.
+    """
     hidden, kv, inner = dims.hidden_size, dims.kv_size, dims.intermediate_size
     split = (5 * hidden + 2 * kv + 4 * inner) / tensor_parallel_size
-    return element_bytes * (2 * hidden + split) + 2 * hidden * max(element_bytes, 4)
+    outside = (element_bytes * 2 * hidden + 2 * hidden * max(element_bytes, 4)) / outside_divisor
+    return element_bytes * split + outside
+
+
+def _selective_split(dims: TransformerDims) -> float:
+    """Per token, the tensor-parallel outputs selective AC saves: q, k, v, attention, gate and up."""
+    return 2 * dims.hidden_size + 2 * dims.kv_size + 2 * dims.intermediate_size

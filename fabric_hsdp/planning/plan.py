@@ -1,9 +1,14 @@
 """The plan: every valid layout with its memory and traffic, the recommended one, and what to change when none fits.
 
-The recommendation (and ``HybridFSDPStrategy(shard_size="auto")``, which uses the same function): of the layouts
-whose total fits in the device memory less the safety margin, the one that sends the fewest bytes between nodes per
-step (within 2 %), then the smallest tensor-parallel size (TP adds collectives to the critical path of every layer),
-then the smallest shard group. On one node nothing crosses nodes, so the smallest shard group that fits wins.
+The recommendation (and ``HybridFSDPStrategy(shard_size="auto")``, which uses the same function), among the layouts
+whose total fits in the device memory less the safety margin, compares them **per token**: a layout with TP degree
+``T`` processes ``T`` times fewer tokens per step than one without (see :mod:`~fabric_hsdp.planning.throughput`).
+
+* Without bandwidths: the fewest bytes between nodes per token (within 2 %); among those near-ties the smallest
+  tensor-parallel size (TP adds collectives to the critical path of every layer), then the smallest shard group. On
+  one node nothing crosses nodes, so the smallest tensor-parallel size and shard group that fit win.
+* With a bandwidth: the shortest estimated step time per token, compute included (within 2 %), then the same
+  tie-breaks.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from dataclasses import dataclass, field, replace
 from fabric_hsdp.planning.layout import candidate_layouts, describe
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
+from fabric_hsdp.planning.throughput import DEFAULT_COMPUTE_EFFICIENCY, Throughput, parse_flops, throughput
 from fabric_hsdp.planning.traffic import Traffic, traffic_per_step
 from fabric_hsdp.topology import Topology
-from fabric_hsdp.units import format_bytes, parse_bandwidth, parse_bytes
+from fabric_hsdp.units import format_bytes, format_seconds, parse_bandwidth, parse_bytes
 
 DEFAULT_SAFETY_MARGIN = 0.1
 _SAME_TRAFFIC = 0.02
@@ -33,6 +39,9 @@ class Cluster:
         inter_node_bandwidth: Bytes/s each node can send to the others (or ``"400Gbit/s"``); optional.
         intra_node_bandwidth: Bytes/s each device can send to the others of its node (or ``"450GB/s"``); optional.
         backend: ``"nccl"`` or ``"gloo"`` (whose reduce-scatter is an all-reduce, twice the bytes).
+        device_flops: Peak FLOP/s per device in the compute dtype (or ``"989TFLOPS"``); with a bandwidth and no
+            value, an H100's dense bf16 peak (989 TFLOP/s) is assumed and the table says so.
+        compute_efficiency: The fraction of ``device_flops`` the model's FLOPs run at (default 0.4).
     """
 
     num_nodes: int
@@ -41,9 +50,20 @@ class Cluster:
     inter_node_bandwidth: float | str | None = None
     intra_node_bandwidth: float | str | None = None
     backend: str = "nccl"
+    device_flops: float | str | None = None
+    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY
+
+    @property
+    def timed(self) -> bool:
+        """Whether a bandwidth was given: the plan then ranks by estimated step time per token."""
+        return self.inter_node_bandwidth is not None or self.intra_node_bandwidth is not None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, "device_memory"))
+        if self.device_flops is not None:
+            object.__setattr__(self, "device_flops", parse_flops(self.device_flops))
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"compute_efficiency={self.compute_efficiency!r} must be in (0, 1].")
         for name in ("inter_node_bandwidth", "intra_node_bandwidth"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, parse_bandwidth(getattr(self, name), name))
@@ -60,6 +80,11 @@ class LayoutPlan:
     inter_node_seconds: float | None
     intra_node_seconds: float | None
     recommended: bool = False
+    throughput: Throughput | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.world_size // self.layout.tensor_parallel_size
 
 
 @dataclass(frozen=True)
@@ -118,9 +143,20 @@ def make_plan(
         traffic = traffic_per_step(model, training, layout, cluster.backend)
         inter_seconds = _seconds(traffic.inter_node_bytes, cluster.inter_node_bandwidth)
         intra_seconds = _seconds(traffic.intra_node_bytes, cluster.intra_node_bandwidth)
-        rows.append(LayoutPlan(layout, memory, traffic, memory.total <= usable, inter_seconds, intra_seconds))
+        rates = throughput(
+            model,
+            training,
+            layout,
+            traffic,
+            cluster.inter_node_bandwidth,
+            cluster.intra_node_bandwidth,
+            cluster.device_flops,
+            cluster.compute_efficiency,
+        )
+        fits = memory.total <= usable
+        rows.append(LayoutPlan(layout, memory, traffic, fits, inter_seconds, intra_seconds, throughput=rates))
     plan = Plan(model, cluster, training, safety_margin, rows, skipped)
-    best = _recommend(rows)
+    best = _recommend(rows, cluster.timed)
     if best is None:
         return plan
     rows = [replace(row, recommended=row is best) for row in rows]
@@ -218,35 +254,53 @@ def _fit_summary(row: LayoutPlan) -> str:
     return f"{describe(row.layout)}: {format_bytes(row.memory.total)} per device{host}"
 
 
-def _recommend(rows: list[LayoutPlan]) -> LayoutPlan | None:
+def ranking_cost(row: LayoutPlan, timed: bool) -> float:
+    """What the recommendation minimises: seconds per token with bandwidths, else inter-node bytes per token."""
+    rates = row.throughput
+    if rates is None:  # a row built by hand: rank it last
+        return float("inf")
+    if timed:
+        return rates.seconds_per_token or 0.0
+    return rates.inter_node_bytes_per_token
+
+
+def _recommend(rows: list[LayoutPlan], timed: bool = False) -> LayoutPlan | None:
     fitting = [row for row in rows if row.fits]
     if not fitting:
         return None
-    fewest = min(row.traffic.inter_node_bytes for row in fitting)
-    near = [row for row in fitting if row.traffic.inter_node_bytes <= fewest * (1 + _SAME_TRAFFIC)]
+    best = min(ranking_cost(row, timed) for row in fitting)
+    near = [row for row in fitting if ranking_cost(row, timed) <= best * (1 + _SAME_TRAFFIC)]
     return min(near, key=lambda row: (row.layout.tensor_parallel_size, row.layout.shard_size))
 
 
 def _reason(plan: Plan, row: LayoutPlan) -> str:
-    layout, memory = row.layout, row.memory
+    layout, memory, rates = row.layout, row.memory, row.throughput
+    timed = plan.cluster.timed
     fits = f"fits ({format_bytes(memory.total)} of {format_bytes(plan.usable_memory)} usable per device)"
-    if layout.num_nodes == 1:
+    if layout.num_nodes == 1 and not timed:
         why = "nothing crosses nodes on one node, and it is the smallest shard group that fits"
     else:
-        fewest = min(r.traffic.inter_node_bytes for r in plan.rows)
-        among = (
-            "all layouts" if row.traffic.inter_node_bytes <= fewest * (1 + _SAME_TRAFFIC) else "the layouts that fit"
-        )
-        why = (
-            f"and sends the fewest bytes between nodes of {among} (within {_SAME_TRAFFIC:.0%}):"
-            f" {format_bytes(row.traffic.inter_node_bytes)} per node per step"
-        )
+        best = min(ranking_cost(r, timed) for r in plan.rows)
+        among = "all layouts" if ranking_cost(row, timed) <= best * (1 + _SAME_TRAFFIC) else "the layouts that fit"
+        if timed:
+            why = (
+                f"and has the shortest estimated step time per token of {among} (within {_SAME_TRAFFIC:.0%}):"
+                f" {format_seconds(rates.step_seconds)} per step of {rates.tokens_per_step:,} tokens,"
+                f" ~{rates.tokens_per_second:,.0f} tokens/s, MFU ~{rates.mfu:.0%}"
+            )
+        else:
+            why = (
+                f"and sends the fewest bytes between nodes per token of {among} (within {_SAME_TRAFFIC:.0%}):"
+                f" {format_bytes(rates.inter_node_bytes_per_token)} per token"
+                f" ({format_bytes(row.traffic.inter_node_bytes)} per node per step of {rates.tokens_per_step:,}"
+                f" tokens, data-parallel size {rates.data_parallel_size})"
+            )
     if layout.shard_size <= layout.ranks_per_node and layout.replicate_size > 1 and layout.num_nodes > 1:
         why += ", only the gradient all-reduce of each shard"
     if layout.tensor_parallel_size > 1:
         why += f"; tensor_parallel_size={layout.tensor_parallel_size}: no layout with less tensor parallelism fits"
-        why += "" if layout.num_nodes == 1 else " with as little inter-node traffic"
-    return f"{describe(layout)} {fits} {why}" if layout.num_nodes > 1 else f"{describe(layout)} {fits}: {why}"
+        why += "" if layout.num_nodes == 1 and not timed else " with as little cost per token"
+    return f"{describe(layout)} {fits} {why}" if layout.num_nodes > 1 or timed else f"{describe(layout)} {fits}: {why}"
 
 
 def _seconds(count: float, bandwidth: float | str | None) -> float | None:

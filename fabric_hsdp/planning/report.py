@@ -6,6 +6,7 @@ from typing import Any
 
 from fabric_hsdp.planning.layout import describe
 from fabric_hsdp.planning.plan import LayoutPlan, Plan
+from fabric_hsdp.planning.throughput import DEFAULT_DEVICE_FLOPS
 from fabric_hsdp.units import format_bytes, format_seconds
 
 ACTIVATIONS_NOTE = (
@@ -23,15 +24,17 @@ def plan_table(plan: Plan) -> str:
         f" {format_bytes(cluster.device_memory)} per device, {format_bytes(plan.usable_memory)} usable"
         f" ({plan.safety_margin:.0%} safety margin)" + _bandwidths(plan),
         f"training: {training.precision}, optimizer {workload.optimizer}, micro-batch {workload.micro_batch_size} x"
-        f" {workload.seq_len} tokens, activation checkpointing {'on' if training.activation_checkpointing else 'off'},"
+        f" {workload.seq_len} tokens, activation checkpointing {_checkpointing(training)},"
         f" CPU offload {'on' if training.cpu_offload else 'off'},"
-        f" reshard_after_forward={training.reshard_after_forward}",
+        f" reshard_after_forward={training.reshard_after_forward}" + _levers(training),
+        *([_compute_line(plan)] if cluster.timed else []),
         "",
     ]
     inter_timed, intra_timed = cluster.inter_node_bandwidth is not None, cluster.intra_node_bandwidth is not None
-    header = ["", "shard", "TP", "mesh", "params", "grads", "optim", "gathered", "activ.*", "total", "fits"]
-    header += ["inter-node/step", "intra-node/step"]
+    header = ["", "shard", "TP", "mesh", "DP", "tokens/step", "params", "grads", "optim", "gathered", "activ.*"]
+    header += ["total", "fits", "inter-node/step", "inter-node/token", "intra-node/step"]
     header += (["inter-node time"] if inter_timed else []) + (["intra-node time"] if intra_timed else [])
+    header += ["step time", "tokens/s", "MFU"] if cluster.timed else []
     table = [header]
     for row in plan.rows:
         memory = row.memory
@@ -40,18 +43,24 @@ def plan_table(plan: Plan) -> str:
             str(row.layout.shard_size),
             str(row.layout.tensor_parallel_size),
             "x".join(str(size) for size in row.layout.mesh_shape),
+            str(row.data_parallel_size),
+            f"{row.data_parallel_size * workload.tokens:,}",
             *(format_bytes(value) for value in (memory.parameters, memory.gradients, memory.optimizer)),
             format_bytes(memory.gathered),
             format_bytes(memory.activations),
             format_bytes(memory.total),
             "yes" if row.fits else "no",
             format_bytes(row.traffic.inter_node_bytes),
+            format_bytes(row.traffic.inter_node_bytes / (row.data_parallel_size * workload.tokens)),
             format_bytes(row.traffic.intra_node_bytes),
         ]
         if inter_timed:
             cells.append(format_seconds(row.inter_node_seconds or 0.0))
         if intra_timed:
             cells.append(format_seconds(row.intra_node_seconds or 0.0))
+        rates = row.throughput
+        if cluster.timed and rates is not None and rates.step_seconds is not None:
+            cells += [format_seconds(rates.step_seconds), f"{rates.tokens_per_second:,.0f}", f"{rates.mfu:.0%}"]
         table.append(cells)
     widths = [max(len(cells[column]) for cells in table) for column in range(len(header))]
     for cells in table:
@@ -75,11 +84,40 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"skipped: {describe(layout)}: {reason}")
     lines.append(ACTIVATIONS_NOTE)
     lines.append(
-        "  inter-node/step: bytes the busiest node sends to other nodes; intra-node/step: bytes the busiest device"
+        "  DP: data-parallel ranks (world / TP); tokens/step: DP x micro-batch x seq_len; inter-node/step: bytes the"
+        " busiest node sends to other nodes, /token: per token of the step; intra-node/step: bytes the busiest device"
         " sends within its node (ring collectives, one micro-batch per step)"
         + ("; time: those bytes over the bandwidth given, not overlapped" if inter_timed or intra_timed else "")
     )
+    if cluster.timed:
+        lines.append(
+            "  step time: max(compute, FSDP and replica traffic) + tensor-parallel traffic (on the critical path);"
+            " compute = (6 N + 12 L d s) FLOPs per token (+ recompute) at the stated efficiency; MFU: model FLOPs"
+            " over the peak (estimates, not measurements)"
+        )
     return "\n".join(lines)
+
+
+def _checkpointing(training: Any) -> str:
+    mode = training.checkpointing
+    if mode == "none":
+        return "off"
+    return "on" if mode == "full" else (f"every {mode} blocks" if isinstance(mode, int) else mode)
+
+
+def _levers(training: Any) -> str:
+    on = [name for name, flag in (("sequence parallel", training.sequence_parallel),
+                                  ("loss parallel", training.loss_parallel)) if flag]  # fmt: skip
+    return (", " + ", ".join(on)) if on else ""
+
+
+def _compute_line(plan: Plan) -> str:
+    cluster = plan.cluster
+    if cluster.device_flops is None:
+        peak = f"{DEFAULT_DEVICE_FLOPS / 1e12:.0f} TFLOP/s per device (assumed: H100 dense bf16; pass --device_flops)"
+    else:
+        peak = f"{cluster.device_flops / 1e12:.0f} TFLOP/s per device"
+    return f"compute:  {peak} at {cluster.compute_efficiency:.0%} efficiency (--compute_efficiency)"
 
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
@@ -100,13 +138,21 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "inter_node_bandwidth": cluster.inter_node_bandwidth,
             "intra_node_bandwidth": cluster.intra_node_bandwidth,
             "backend": cluster.backend,
+            "device_flops": cluster.device_flops
+            if cluster.device_flops is not None or not cluster.timed
+            else DEFAULT_DEVICE_FLOPS,
+            "compute_efficiency": cluster.compute_efficiency,
         },
+        "ranked_by": "seconds per token" if cluster.timed else "inter-node bytes per token",
         "training": {
             "precision": training.precision,
             "optimizer": workload.optimizer,
             "micro_batch_size": workload.micro_batch_size,
             "seq_len": workload.seq_len,
             "activation_checkpointing": training.activation_checkpointing,
+            "activation_checkpointing_mode": training.checkpointing,
+            "sequence_parallel": training.sequence_parallel,
+            "loss_parallel": training.loss_parallel,
             "cpu_offload": training.cpu_offload,
             "reshard_after_forward": training.reshard_after_forward,
         },
@@ -121,7 +167,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
 
 
 def _row_dict(row: LayoutPlan) -> dict[str, Any]:
-    layout, memory, traffic = row.layout, row.memory, row.traffic
+    layout, memory, traffic, rates = row.layout, row.memory, row.traffic, row.throughput
     return {
         "shard_size": layout.shard_size,
         "tensor_parallel_size": layout.tensor_parallel_size,
@@ -145,6 +191,14 @@ def _row_dict(row: LayoutPlan) -> dict[str, Any]:
         "intra_node_bytes_per_step": round(traffic.intra_node_bytes),
         "inter_node_seconds_per_step": row.inter_node_seconds,
         "intra_node_seconds_per_step": row.intra_node_seconds,
+        "data_parallel_size": row.data_parallel_size,
+        "tokens_per_step": None if rates is None else rates.tokens_per_step,
+        "inter_node_bytes_per_token": None if rates is None else rates.inter_node_bytes_per_token,
+        "intra_node_bytes_per_token": None if rates is None else rates.intra_node_bytes_per_token,
+        "compute_seconds_per_step_estimate": None if rates is None else rates.compute_seconds,
+        "step_seconds_estimate": None if rates is None else rates.step_seconds,
+        "tokens_per_second_estimate": None if rates is None else rates.tokens_per_second,
+        "mfu_estimate": None if rates is None else rates.mfu,
     }
 
 

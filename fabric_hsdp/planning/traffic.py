@@ -18,7 +18,9 @@ Per step (one micro-batch), for a layout with FSDP degree ``S``, ``R`` replicas 
   benchmarks/comm_volume.py; litgpt's fused qkv: 5). Plus one for the vocabulary-parallel embedding in forward and
   one for the output head in backward, and an all-gather of the logits (``tokens x vocab``), whatever the plan says
   about the embedding and the head (transformers' Llama plan leaves the embedding whole): an upper bound, small next
-  to the per-layer ones.
+  to the per-layer ones. Full activation checkpointing recomputes the forward's all-reduces (every k-th layer's with
+  an int k; selective AC saves the collectives' outputs, so none). Sequence parallelism turns each all-reduce into a
+  reduce-scatter and an all-gather: the same bytes. Loss parallel keeps the logits sharded: no logits all-gather.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Traffic:
     intra_node_bytes: float
     inter_node_total: float  # all nodes together (what a switch port counter summed over nodes shows)
     by_dim: dict[str, float]  # inter-node bytes of the busiest node, per mesh dim
+    intra_by_dim: dict[str, float] | None = None  # intra-node bytes of the busiest device, per mesh dim
 
 
 def traffic_per_step(model: ModelShape, training: Training, layout: Topology, backend: str = "nccl") -> Traffic:
@@ -64,12 +67,16 @@ def traffic_per_step(model: ModelShape, training: Training, layout: Topology, ba
         "tensor": _tensor_parallel_edge_bytes(model, training, tensor),
     }
     inter: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}
-    intra: dict[int, float] = defaultdict(float)
+    intra_of: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}
     for dim, edge_bytes in per_edge.items():
         if edge_bytes == 0:
             continue
         for group in rank_groups(layout, dim):
-            _count_ring(group, edge_bytes, layout.ranks_per_node, inter[dim], intra)
+            _count_ring(group, edge_bytes, layout.ranks_per_node, inter[dim], intra_of[dim])
+    intra: dict[int, float] = defaultdict(float)
+    for counts in intra_of.values():
+        for rank, count in counts.items():
+            intra[rank] += count
     per_node: dict[int, float] = defaultdict(float)
     for counts in inter.values():
         for node, count in counts.items():
@@ -80,6 +87,7 @@ def traffic_per_step(model: ModelShape, training: Training, layout: Topology, ba
         intra_node_bytes=max(intra.values(), default=0.0),
         inter_node_total=sum(per_node.values()),
         by_dim={dim: (counts.get(busiest, 0.0) if busiest is not None else 0.0) for dim, counts in inter.items()},
+        intra_by_dim={dim: max(counts.values(), default=0.0) for dim, counts in intra_of.items()},
     )
 
 
@@ -96,8 +104,10 @@ def _tensor_parallel_edge_bytes(model: ModelShape, training: Training, tensor: i
     layer_weights = [p for p in model.parameters if p.unit and len(p.shape) == 2]
     rowwise = sum(p.tensor_parallel_dim == 1 for p in layer_weights)  # all layers together
     colwise = sum(p.tensor_parallel_dim == 0 for p in layer_weights)
-    all_reduces = rowwise * (2 if training.activation_checkpointing else 1) + colwise + 2
-    logits = training.workload.tokens * dims.vocab_size * training.compute_bytes
+    layers = dims.num_layers or 1
+    recomputed = 0 if training.checkpointing == "selective" else training.checkpointed_layers(layers) / layers
+    all_reduces = rowwise * (1 + recomputed) + colwise + 2
+    logits = 0 if training.loss_parallel else training.workload.tokens * dims.vocab_size * training.compute_bytes
     return 2 * _ring(tensor) * all_reduces * activation + _ring(tensor) * logits
 
 

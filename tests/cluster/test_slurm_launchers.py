@@ -268,3 +268,19 @@ def test_tasks_per_node_unlike_devices_stops_every_rank_with_one_message(slurm_c
         assert re.search(pattern, result.stdout, re.MULTILINE), result.stdout[-6000:]
     assert "Initializing distributed" not in result.stdout and not (tmp_path / "out").exists()
     assert seconds < LAUNCH_TIMEOUT / 2, f"{seconds:.0f} s"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_srun_cyclic_distribution_fails_every_rank_with_the_fix(slurm_cluster, tmp_path):
+    """``srun --distribution=cyclic`` numbers ranks round-robin over n1 and n2: setup stops every rank and says why."""
+    env = recipe_env(slurm_cluster, tmp_path / "checkpoints")
+    train = [sys.executable, str(TRAIN), "--accelerator", "cpu", "--out_dir", str(tmp_path / "checkpoints")]
+    result = slurm_cluster.run(
+        "salloc", "--nodes=2", "--ntasks-per-node=2", "srun", "--distribution=cyclic", *train, *TINY,
+        "--max_steps", "1", timeout=LAUNCH_TIMEOUT, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+    log = result.stdout
+    assert result.returncode != 0, log[-6000:]
+    assert srun_task_states(log) == dict.fromkeys(range(4), "Exited with exit code 1"), log[-6000:]
+    assert "n1 (node rank 0): ranks [0, 2]; n2 (node rank 1): ranks [1, 3]" in log, log[-6000:]
+    assert "srun --distribution=block" in log

@@ -1,0 +1,459 @@
+"""The GPU check: every path only CUDA reaches, run on the CUDA devices this machine has, one line per path.
+
+Run: ``python benchmarks/gpu_check.py`` (all CUDA devices; about 10-30 s per check). Each check runs in its own
+``torchrun --standalone --nproc-per-node N`` job (N = the devices it needs, all of them by default), so one failure
+cannot spoil the next, and prints::
+
+    PASS  nccl_init          world 2: backend nccl on cuda:0 and cuda:1, all_reduce of 4 MB in 0.21 ms
+    FAIL  cpu_offload        world 2: RuntimeError: No backend type associated with device type cpu
+    SKIP  tensor_parallel    needs >= 2 CUDA devices (1 here)
+
+The exit status is 1 if a check failed. Without CUDA it says so and exits 0 (``--device cpu`` rehearses the checks
+that also run on CPU, with gloo: a test of this script, not of CUDA).
+
+Adding a check: write ``def check_name(ctx: Context) -> str`` that builds its run with ``ctx.fabric(...)``, raises
+(``assert`` is fine here) when the path is wrong, and returns the figure for its line; then append
+``Check("name", check_name, ...)`` to ``CHECKS``. ``min_devices`` skips it on smaller machines, ``cuda_only`` on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+CHECK_TIMEOUT = 150  # seconds per check, start-up included
+TOTAL_BUDGET = 280  # seconds for all checks: the script stays under 5 minutes
+SEQ = 16
+
+
+@dataclass
+class Context:
+    """What a check runs with, on every rank of its job."""
+
+    device: str  # "cuda" (or "cpu" for the rehearsal)
+    devices: int  # ranks in this check's job, one per device
+    workdir: Path  # shared by the ranks of this check
+
+    def fabric(self, precision: str = "32-true", **strategy_kwargs: Any) -> Any:
+        import lightning as L
+
+        from examples.tiny_llama import Block
+        from fabric_hsdp import HybridFSDPStrategy
+
+        strategy_kwargs.setdefault("sharded_modules", {Block})
+        strategy = HybridFSDPStrategy(**strategy_kwargs)
+        fabric = L.Fabric(accelerator=self.device, devices=self.devices, strategy=strategy, precision=precision)
+        fabric.launch()
+        return fabric
+
+
+@dataclass
+class Check:
+    name: str
+    run: Callable[[Context], str]
+    min_devices: int = 1
+    cuda_only: bool = False  # no CPU rehearsal (e.g. CPU offload, which refuses a CPU device)
+    devices: int | None = None  # ranks to run on (default: all devices)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def _tiny_llama(seed: int = 0) -> Any:
+    import torch
+
+    from examples.tiny_llama import Llama, LlamaConfig
+
+    torch.manual_seed(seed)
+    return Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=SEQ))
+
+
+def _batch(device: Any, rows: int = 2, seed: int = 1) -> tuple[Any, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (rows, SEQ + 1), generator=generator)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def _loss(model: Any, inputs: Any, targets: Any) -> Any:
+    import torch
+
+    logits = model(inputs)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _full_state(model: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, tensor in getattr(model, "module", model).state_dict().items():
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        state[name] = tensor.detach().cpu().clone()
+    return state
+
+
+def _mismatches(state: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    import torch
+
+    return [name for name in expected if name not in state or not torch.equal(state[name].float(), expected[name])]
+
+
+def _local_devices(model: Any) -> set[str]:
+    return {str(p.to_local().device.type) for p in model.parameters()}
+
+
+def _reference_file(ctx: Context, fabric: Any, name: str = "reference.pth") -> tuple[Path, dict[str, Any]]:
+    """A raw state dict of the tiny LLaMA (seed 0), written by rank 0; returns its path and the tensors."""
+    import torch
+
+    reference = {name: tensor.float() for name, tensor in _tiny_llama(seed=0).state_dict().items()}
+    path = ctx.workdir / name
+    if fabric.global_rank == 0:
+        torch.save(reference, path)
+    fabric.barrier()
+    return path, reference
+
+
+def _steps(fabric: Any, model: Any, optimizer: Any, count: int, clip: float | None = None) -> tuple[list[float], float]:
+    """``count`` optimizer steps; returns the losses and the median seconds per step (after the first)."""
+    import torch
+
+    losses, seconds = [], []
+    for step in range(count):
+        inputs, targets = _batch(fabric.device, seed=step + fabric.global_rank)
+        start = time.perf_counter()
+        loss = _loss(model, inputs, targets)
+        fabric.backward(loss)
+        if clip is not None:
+            norm = fabric.clip_gradients(model, optimizer, max_norm=clip)
+            if not torch.isfinite(norm):
+                raise AssertionError(f"gradient norm {norm} is not finite")
+        optimizer.step()
+        optimizer.zero_grad()
+        if fabric.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return losses, statistics.median(seconds[1:] or seconds)
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def check_nccl_init(ctx: Context) -> str:
+    import torch
+    import torch.distributed as dist
+
+    fabric = ctx.fabric()
+    backend = str(dist.get_backend())
+    expected = "nccl" if ctx.device == "cuda" else "gloo"
+    assert backend == expected, f"backend {backend}, expected {expected}"
+    if ctx.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        assert fabric.device == torch.device("cuda", local_rank), f"rank on {fabric.device}, not cuda:{local_rank}"
+        assert torch.cuda.current_device() == local_rank, f"current device {torch.cuda.current_device()}"
+    value = torch.full((1,), float(fabric.global_rank + 1), device=fabric.device)
+    dist.all_reduce(value)
+    assert value.item() == ctx.devices * (ctx.devices + 1) / 2, f"all_reduce gave {value.item()}"
+    payload = torch.ones(1 << 20, device=fabric.device)
+    times = []
+    for _ in range(5):
+        fabric.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(payload)
+        if ctx.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    local_ranks = fabric.all_gather(torch.tensor(fabric.local_rank, device=fabric.device)).flatten().tolist()
+    devices = sorted({str(rank) for rank in local_ranks})
+    return f"backend {backend}, ranks on {ctx.device}:{','.join(devices)}, all_reduce of 4 MB {1e3 * min(times):.2f} ms"
+
+
+def check_bf16_mixed(ctx: Context) -> str:
+    import torch
+
+    fabric = ctx.fabric(precision="bf16-mixed")
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    master = {p.dtype for p in model.parameters()}
+    assert master == {torch.float32}, f"master shards {master}, expected float32"
+    compute = []
+    linear = model.module.layers[0].attention.wq
+    handle = linear.register_forward_pre_hook(lambda module, args: compute.append(module.weight.dtype))
+    losses, step = _steps(fabric, model, optimizer, 4)
+    handle.remove()
+    assert set(compute) == {torch.bfloat16}, f"forward computed in {set(compute)}, expected bfloat16"
+    grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], f"loss did not go down: {losses}"
+    return (
+        f"compute bf16, master fp32 (grads {sorted(map(str, grads)) or 'freed'}), loss {losses[0]:.3f} ->"
+        f" {losses[-1]:.3f}, {1e3 * step:.1f} ms/step"
+    )
+
+
+def check_meta_init_raw_load(ctx: Context) -> str:
+    fabric = ctx.fabric()
+    path, reference = _reference_file(ctx, fabric)
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama(seed=1)
+    model = fabric.setup_module(model)
+    devices = _local_devices(model)
+    assert devices == {ctx.device}, f"local shards on {devices}, expected {ctx.device}"
+    start = time.perf_counter()
+    fabric.load_raw(path, model)
+    seconds = time.perf_counter() - start
+    wrong = _mismatches(_full_state(model), reference)
+    assert not wrong, f"{len(wrong)} tensors differ from the file after load_raw, e.g. {wrong[:3]}"
+    return f"meta init -> {ctx.device} shards, load_raw of {len(reference)} tensors exact in {seconds:.2f} s"
+
+
+def check_async_save(ctx: Context) -> str:
+    import torch
+
+    fabric = ctx.fabric(async_save=True)
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    _steps(fabric, model, optimizer, 1)
+    saved = _full_state(model)
+    start = time.perf_counter()
+    fabric.save(ctx.workdir / "async", {"model": model, "optimizer": optimizer})
+    blocked = time.perf_counter() - start
+    _steps(fabric, model, optimizer, 1)  # changes the shards while the staged copy is written
+    fabric.strategy.wait_for_checkpoint()
+    committed = time.perf_counter() - start
+    changed = _mismatches(_full_state(model), saved)
+    assert changed, "the step after the save changed no parameter: the check cannot tell staging from live shards"
+    with fabric.init_module(empty_init=True):
+        fresh = _tiny_llama(seed=5)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh, fresh_optimizer = fabric.setup(fresh, fresh_optimizer)
+    fabric.load(ctx.workdir / "async", {"model": fresh, "optimizer": fresh_optimizer})
+    wrong = _mismatches(_full_state(fresh), saved)
+    assert not wrong, f"{len(wrong)} tensors differ from what was saved, e.g. {wrong[:3]}"
+    return f"save blocked {1e3 * blocked:.0f} ms of {1e3 * committed:.0f} ms to commit; the load is the state at save"
+
+
+def check_cpu_offload(ctx: Context) -> str:
+    import torch
+    import torch.distributed as dist
+
+    shard_size = ctx.devices // 2 if ctx.devices >= 2 else 1  # two replicas where there are 2+ devices
+    fabric = ctx.fabric(cpu_offload=True, shard_size=shard_size)
+    backend = str(dist.get_backend())
+    assert backend == "cpu:gloo,cuda:nccl", f"backend {backend}"
+    fabric.seed_everything(7)  # one seed on every rank: shard peers must still differ
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    devices = _local_devices(model)
+    assert devices == {"cpu"}, f"offloaded shards on {devices}"
+    weight = model.module.layers[0].feed_forward.w1.weight
+    full = weight.full_tensor()
+    if shard_size >= 2:
+        rows = full.shape[0] // shard_size
+        assert not torch.equal(full[:rows], full[rows : 2 * rows]), "shard peers drew the same initial values"
+    mesh = fabric.strategy.parallel_mesh
+    local = weight.to_local().contiguous()
+    replicas = [torch.empty_like(local) for _ in range(mesh.replicate.size())]
+    dist.all_gather(replicas, local, group=mesh.group("replicate"))
+    assert all(torch.equal(replicas[0], other) for other in replicas[1:]), "replicas differ after setup"
+    losses, step = _steps(fabric, model, optimizer, 2, clip=1.0)
+    full_path = ctx.workdir / "offload-full.pth"
+    fabric.strategy.save_full_checkpoint(full_path, {"model": model})
+    expected = _full_state(model)
+    with fabric.init_module(empty_init=True):
+        fresh = _tiny_llama(seed=3)
+    fresh = fabric.setup_module(fresh)
+    fabric.strategy.load_raw(full_path, fresh, load_mode="rank0")
+    wrong = _mismatches(_full_state(fresh), expected)
+    assert not wrong, f"{len(wrong)} tensors differ after the full save and rank0 load, e.g. {wrong[:3]}"
+    return (
+        f"backend {backend}, mesh {tuple(mesh.device_mesh.shape)}, shards on cpu, replicas equal, clipped steps"
+        f" {1e3 * step:.0f} ms, full save + rank0 load exact"
+    )
+
+
+def check_tensor_parallel(ctx: Context) -> str:
+    import torch
+
+    fabric = ctx.fabric(tensor_parallel_size=2)
+    path, reference_state = _reference_file(ctx, fabric, "tp-reference.pth")
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama(seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    fabric.load_raw(path, model)
+    reference = _tiny_llama(seed=0).to(fabric.device)
+    inputs, _ = _batch(fabric.device)
+    with torch.no_grad():
+        difference = (model(inputs) - reference(inputs)).abs().max().item()
+    assert difference < 1e-4, f"logits differ from one device's by {difference}"
+    losses, step = _steps(fabric, model, optimizer, 3)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    shape = tuple(fabric.strategy.device_mesh.shape)
+    return f"mesh {shape}, logits vs one device max |diff| {difference:.1e}, {1e3 * step:.1f} ms/step"
+
+
+def check_shard_size_auto(ctx: Context) -> str:
+    import torch
+
+    fabric = ctx.fabric(shard_size="auto")
+    free, total = torch.cuda.mem_get_info(fabric.device)
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    model = fabric.setup_module(model)
+    topology = fabric.strategy.topology
+    return f"mem_get_info free {free / 1e9:.1f} of {total / 1e9:.1f} GB; chose shard_size {topology.shard_size}"
+
+
+def check_transformers_init(ctx: Context) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, pad_token_id=3, initializer_range=0.02,
+    )  # fmt: skip
+    fabric = ctx.fabric(sharded_modules={LlamaDecoderLayer})
+    fabric.seed_everything(100 + fabric.global_rank)
+    with fabric.init_module(empty_init=True):
+        model = LlamaForCausalLM(config)
+    model = fabric.setup_module(model)
+    embedding = model.module.model.embed_tokens.weight.full_tensor()
+    q_proj = model.module.model.layers[0].self_attn.q_proj.weight.full_tensor()
+    assert (embedding[3] == 0).all(), "padding row not zero"
+    for name, tensor in (("embedding", embedding), ("q_proj", q_proj)):
+        std = tensor.float().std().item()
+        assert abs(std - 0.02) < 0.002, f"{name} std {std:.4f}, transformers' init gives 0.02"
+    return f"embedding std {embedding.std().item():.4f}, q_proj std {q_proj.std().item():.4f} (0.02), padding row 0"
+
+
+CHECKS = [
+    Check("nccl_init", check_nccl_init),
+    Check("bf16_mixed", check_bf16_mixed),
+    Check("meta_init_raw_load", check_meta_init_raw_load),
+    Check("async_save", check_async_save),
+    Check("cpu_offload", check_cpu_offload, cuda_only=True),
+    Check("tensor_parallel", check_tensor_parallel, min_devices=2, devices=2),
+    Check("shard_size_auto", check_shard_size_auto, cuda_only=True),
+    Check("transformers_init", check_transformers_init),
+]
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+
+
+def _run_one(name: str, device: str, workdir: Path, result: Path) -> None:
+    """Inside a check's job: run the check on this rank; rank 0 writes the figure to ``result``."""
+    check = next(check for check in CHECKS if check.name == name)
+    ctx = Context(device=device, devices=int(os.environ.get("WORLD_SIZE", "1")), workdir=workdir)
+    figure = check.run(ctx)
+    if int(os.environ.get("RANK", "0")) == 0:
+        result.write_text(json.dumps({"figure": figure}))
+
+
+def _last_error(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if ("Error" in line or "Exception" in line) and not line.startswith(("File ", "raise ", "torch.distributed")):
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: rehearse on gloo")
+    parser.add_argument("--only", nargs="*", default=None, help="names of the checks to run")
+    parser.add_argument("--budget", type=float, default=None, help=f"seconds for all checks (CUDA: {TOTAL_BUDGET})")
+    parser.add_argument("--check", help=argparse.SUPPRESS)  # inside a check's job
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.check:
+        _run_one(args.check, args.device, args.workdir, args.result)
+        return 0
+
+    import torch
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device on this machine: nothing checked (exit 0). Run it where a GPU is.")
+            return 0
+        available = torch.cuda.device_count()
+        names = sorted({torch.cuda.get_device_name(i) for i in range(available)})
+        print(f"gpu_check: {available} CUDA device(s) ({', '.join(names)}), torch {torch.__version__}")
+    else:
+        available = 2
+        print("gpu_check: CPU rehearsal on 2 gloo ranks (not a CUDA check)")
+    budget = args.budget or (TOTAL_BUDGET if args.device == "cuda" else 3600.0)  # a loaded CPU box starts slowly
+    check_timeout = CHECK_TIMEOUT if args.device == "cuda" else budget
+    deadline = time.monotonic() + budget
+    failed = 0
+    for check in CHECKS:
+        if args.only is not None and check.name not in args.only:
+            continue
+        label = f"{check.name:<20}"
+        if args.device == "cpu" and check.cuda_only:
+            print(f"SKIP  {label} needs CUDA")
+            continue
+        if available < check.min_devices:
+            print(f"SKIP  {label} needs >= {check.min_devices} CUDA devices ({available} here)")
+            continue
+        left = deadline - time.monotonic()
+        if left < 20:
+            print(f"SKIP  {label} out of time (the script keeps under {budget:.0f} s)")
+            continue
+        world = min(check.devices or available, available)
+        with tempfile.TemporaryDirectory(prefix=f"gpu-check-{check.name}-") as workdir:
+            result = Path(workdir) / "result.json"
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                __file__, "--check", check.name, "--device", args.device, "--workdir", workdir,
+                "--result", str(result),
+            ]  # fmt: skip
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+            env.setdefault("OMP_NUM_THREADS", "1")
+            start = time.monotonic()
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, text=True, timeout=min(check_timeout, left), env=env, cwd=REPO_ROOT
+                )
+                output, code = done.stdout + done.stderr, done.returncode
+            except subprocess.TimeoutExpired as timeout:
+                output, code = f"timed out after {timeout.timeout:.0f} s", None
+            seconds = time.monotonic() - start
+            if code == 0 and result.exists():
+                figure = json.loads(result.read_text())["figure"]
+                print(f"PASS  {label} world {world}: {figure} [{seconds:.0f} s]", flush=True)
+            else:
+                failed += 1
+                print(f"FAIL  {label} world {world}: {_last_error(output)} [{seconds:.0f} s]", flush=True)
+                if os.environ.get("GPU_CHECK_VERBOSE"):
+                    print(output[-6000:])
+    print(f"gpu_check: {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The dry run's report: the world and this rank's place, memory by phase, checkpoint bytes, and the plan beside it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fabric_hsdp.units import format_binary_bytes
+
+NOT_MEANINGFUL = "collectives carry no data: losses are not meaningful"
+PHASES = ("setup", "load", "step", "save")
+
+
+@dataclass
+class PlannedMemory:
+    """The planner's bytes per device for the same layout and workload (``fabric-hsdp plan``'s formulas)."""
+
+    parameters: int
+    optimizer: int
+    gradients: int
+    gathered: int
+    activations: int
+    total: int
+    workload: str
+
+
+@dataclass
+class DryRunReport:
+    """What one rank of the dry-run world did and used. Memory figures are bytes above the resident memory at
+    ``fabric.launch()``; ``device`` figures exist only on CUDA."""
+
+    world: str
+    rank: int
+    world_size: int
+    node_rank: int
+    local_rank: int
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    coordinates: tuple[int, ...]
+    layout: str
+    device: str
+    precision: str
+    local_parameters: int
+    global_parameters: int
+    local_parameter_bytes: int
+    checkpoint_read: int
+    steps: int
+    max_steps: int
+    phases: dict[str, dict[str, Any]]
+    saves: list[dict[str, Any]]
+    planned: PlannedMemory | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_peak(self) -> int:
+        phase = self.phases.get("step") or {}
+        peak = phase.get("device_peak")
+        return int(peak if peak is not None else phase.get("host_peak", 0))
+
+    @property
+    def ratio(self) -> float | None:
+        if self.planned is None or not self.planned.total or "step" not in self.phases:
+            return None
+        return self.step_peak / self.planned.total
+
+    def as_dict(self) -> dict[str, Any]:
+        document = asdict(self)
+        document["step_peak"], document["measured_over_planned"] = self.step_peak, self.ratio
+        document["losses"] = NOT_MEANINGFUL
+        return document
+
+    def text(self) -> str:
+        """The report as printed by ``fabric-hsdp dryrun``."""
+        size = format_binary_bytes
+        coordinates = ", ".join(f"{n}={c}" for n, c in zip(self.mesh_dim_names, self.coordinates, strict=True))
+        fraction = self.local_parameters / self.global_parameters if self.global_parameters else 0.0
+        lines = [
+            f"dry run: {self.world}",
+            f"  mesh {self.mesh_shape} {self.mesh_dim_names}: this rank at ({coordinates}); {self.layout}",
+            f"  device: {self.device}; precision {self.precision}",
+            f"  parameters held: {self.local_parameters:,} of {self.global_parameters:,} (1/{1 / fraction:,.0f};"
+            f" {size(self.local_parameter_bytes)})"
+            if fraction
+            else "  parameters held: none",
+            f"  steps: {self.steps} of --max_steps {self.max_steps}",
+            "  memory above the start of fabric.launch(), peak per phase:",
+        ]
+        for name in PHASES:
+            phase = self.phases.get(name)
+            if phase is None:
+                continue
+            device = "" if phase["device_peak"] is None else f", device {size(phase['device_peak'])}"
+            read = (
+                f", read {size(self.checkpoint_read)} of checkpoint tensor data"
+                f" ({size(phase['bytes_read'])} through read calls in all)"
+                if name == "load"
+                else ""
+            )
+            lines.append(f"    {name:<6} host {size(phase['host_peak'])}{device}{read} in {phase['seconds']:.1f} s")
+        for save in self.saves:
+            if save["kind"] == "full":
+                lines.append(
+                    f"  save '{save['path']}' (full file): rank 0 gathers and writes"
+                    f" {size(save['expected_share'])} from this rank's view; nothing written in a dry run"
+                )
+                continue
+            by = " (by the dry run: the script's own save comes after the step limit)" if save["by_dry_run"] else ""
+            lines.append(
+                f"  save '{save['path']}'{by}: this rank wrote {size(save['written'])} in {len(save['files'])}"
+                f" file(s) to {save['scratch']}; its share of tensor bytes after DCP spreads replicated chunks:"
+                f" {size(save['expected_share'])}. Not committed: the other ranks' files do not exist in a dry run."
+            )
+        if self.planned is not None:
+            planned = self.planned
+            ratio = self.ratio
+            lines.append(
+                f"  planner ({planned.workload}): parameters {size(planned.parameters)}, optimizer"
+                f" {size(planned.optimizer)}, gradients {size(planned.gradients)}, gathered {size(planned.gathered)},"
+                f" activations {size(planned.activations)}, peak {size(planned.total)}"
+            )
+            if ratio is not None:
+                lines.append(
+                    f"  measured peak of a step {size(self.step_peak)} vs planned {size(planned.total)}: {ratio:.2f}x"
+                )
+        lines.extend(f"  note: {note}" for note in self.notes)
+        lines.append(f"  {NOT_MEANINGFUL}")
+        return "\n".join(lines)
+
+
+def build_report(session: Any) -> DryRunReport:
+    """The report of a finished :class:`~fabric_hsdp.dryrun.session.DryRunSession`."""
+    from torch.distributed.tensor import DTensor
+
+    strategy, world = session.strategy, session.world
+    topology = strategy.topology
+    local = global_ = local_bytes = 0
+    if session.model is not None:
+        for parameter in session.model.parameters():
+            tensor = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+            local += tensor.numel()
+            local_bytes += tensor.numel() * tensor.element_size()
+            global_ += parameter.numel()
+    device = str(strategy.root_device)
+    if session.device.type == "cuda":
+        device = f"cuda:0 of this machine (stands in for local rank {world.local_rank}'s GPU)"
+    notes = list(session.notes)
+    if not session.meter.resets:
+        notes.append("/proc/self/clear_refs is not writable: each phase's host peak is the run's peak so far")
+    if session.steps < session.max_steps:
+        notes.append(f"the script ended after {session.steps} optimizer step(s), before --max_steps")
+    return DryRunReport(
+        world=world.describe(),
+        rank=world.rank,
+        world_size=world.world_size,
+        node_rank=world.node_rank,
+        local_rank=world.local_rank,
+        mesh_shape=tuple(topology.mesh_shape),
+        mesh_dim_names=tuple(topology.mesh_dim_names),
+        coordinates=tuple(topology.coordinates(world.rank)),
+        layout=f"shard_size {topology.shard_size}, tensor_parallel_size {topology.tensor_parallel_size},"
+        f" data-parallel rank {topology.data_parallel_rank(world.rank)} of {topology.data_parallel_size}",
+        device=device,
+        precision=strategy.precision_name,
+        local_parameters=local,
+        global_parameters=global_,
+        local_parameter_bytes=local_bytes,
+        checkpoint_read=session.checkpoint_read,
+        steps=session.steps,
+        max_steps=session.max_steps,
+        phases={name: asdict(phase) for name, phase in session.meter.phases.items()},
+        saves=[asdict(save) for save in session.saves],
+        planned=_planned(session, notes),
+        notes=notes,
+    )
+
+
+def _planned(session: Any, notes: list[str]) -> PlannedMemory | None:
+    """The planner's figures for the layout the strategy built and the workload the script ran."""
+    if session.model_shape is None:
+        return None
+    from fabric_hsdp.planning.memory import Training, Workload, memory_per_device
+
+    strategy = session.strategy
+    topology = strategy.topology
+    batch, seq_len = session.tokens_shape or (1, 2048)
+    if session.tokens_shape is None:
+        notes.append("no forward seen: the planner's activations are for 1 x 2048 tokens")
+    workload = Workload(int(batch), int(seq_len), _optimizer_kind(session.optimizers))
+    offload = strategy._cpu_offload if isinstance(strategy._cpu_offload, bool) else True
+    raf = strategy._reshard_after_forward
+    training = Training(
+        precision=strategy.precision_name,
+        workload=workload,
+        activation_checkpointing=strategy._activation_checkpointing is not None,
+        cpu_offload=offload,
+        reshard_after_forward=None if raf is None else bool(raf),
+    )
+    memory = memory_per_device(session.model_shape, training, topology.fsdp_size, topology.tensor_parallel_size)
+    return PlannedMemory(
+        parameters=memory.parameters,
+        optimizer=memory.optimizer,
+        gradients=memory.gradients,
+        gathered=memory.gathered,
+        activations=memory.activations,
+        total=memory.total,
+        workload=f"{batch} x {seq_len} tokens, {workload.optimizer}"
+        + (", activation checkpointing" if training.activation_checkpointing else ""),
+    )
+
+
+def _optimizer_kind(optimizers: list[Any]) -> str:
+    import torch
+
+    for optimizer in optimizers:
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            return "adamw"
+        if isinstance(optimizer, torch.optim.SGD):
+            momentum = optimizer.param_groups[0].get("momentum", 0)
+            return "sgd" if momentum else "none"
+    return "adamw" if optimizers else "none"

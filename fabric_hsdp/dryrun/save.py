@@ -1,0 +1,89 @@
+"""A save in a dry run: this rank's DCP files go to a scratch directory; nothing is committed at the script's path.
+
+A sharded save's commit needs every rank's files (rank 0 renames the staging directory once all have written), and
+the other ranks' files do not exist in a dry run: the commit is skipped, and the report says so. What this rank
+writes here is all of its shards; in the real save DCP's planner spreads the writes of a chunk held by ``k`` ranks
+(replicas, or tensor-parallel peers of an unsplit tensor) over those ``k``, so the report also gives this rank's
+expected share.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fabric_hsdp.dryrun.session import SaveRecord
+
+
+def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Path, rank: int) -> SaveRecord:
+    """Write ``rank``'s part of the sharded checkpoint ``path`` of ``state`` under ``scratch``; return the record."""
+    import torch.distributed.checkpoint as dcp
+    from lightning.fabric.wrappers import _unwrap_objects
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from fabric_hsdp.checkpoint.dcp_io import META_FILE, SavePlanner
+    from fabric_hsdp.checkpoint.sharded import _save_meta, in_stored_layout, plain_values, state_parts
+
+    state = _unwrap_objects(state)
+    if strategy._state_dict_type == "full" or path.suffix == ".safetensors":
+        return full_save_record(path, state, rank)
+    model_key, model, optimizers, plain = state_parts(state)
+    target = scratch / f"{path.name or 'checkpoint'}.rank{rank}"
+    target.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
+    for key, optimizer in optimizers.items():
+        tensors[key] = get_optimizer_state_dict(model, optimizer)
+    share = _expected_share(tensors, rank)
+    stored, _ = in_stored_layout(tensors, model)
+    if rank == 0:  # rank 0 writes the plain values beside the shards
+        _save_meta(plain_values(plain), target / META_FILE)
+        share += (target / META_FILE).stat().st_size
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is, on purpose
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(stored, storage_writer=dcp.FileSystemWriter(str(target)), planner=SavePlanner(), no_dist=True)
+    (target / ".metadata").unlink(missing_ok=True)  # the coordinator's index of every rank's files: not ours
+    files = sorted(file for file in target.iterdir() if file.is_file())
+    return SaveRecord(
+        path=str(path),
+        kind="sharded",
+        written=sum(file.stat().st_size for file in files),
+        expected_share=share,
+        files=[file.name for file in files],
+        scratch=str(target),
+    )
+
+
+def full_save_record(path: Path, state: dict[str, Any], rank: int) -> SaveRecord:
+    """A consolidated save: rank 0 would gather and write every tensor; nothing is written in a dry run."""
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    total = 0
+    for value in _unwrap_objects(state).values():
+        if isinstance(value, torch.nn.Module):
+            total += sum(p.numel() * p.element_size() for p in value.parameters())
+    return SaveRecord(path=str(path), kind="full", expected_share=total if rank == 0 else 0)
+
+
+def _expected_share(tree: Any, rank: int) -> int:
+    """Bytes this rank writes once DCP spreads each chunk's writes over the ranks holding it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return sum(_expected_share(value, rank) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_expected_share(value, rank) for value in tree)
+    if isinstance(tree, DTensor):
+        local = tree.to_local()
+        holders = 1
+        for dim, placement in enumerate(tree.placements):
+            if placement.is_replicate():
+                holders *= tree.device_mesh.size(dim)
+        return local.numel() * local.element_size() // holders
+    if isinstance(tree, torch.Tensor):  # e.g. AdamW's step counters: the same on every rank
+        import torch.distributed as dist
+
+        return tree.numel() * tree.element_size() // max(1, dist.get_world_size())
+    return 0

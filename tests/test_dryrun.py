@@ -1,0 +1,138 @@
+"""``fabric-hsdp dryrun``: a user's script as one rank of a large cluster, in this process, on the fake backend."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabric_hsdp.cli import main
+from fabric_hsdp.dryrun import NOT_MEANINGFUL, dry_run
+
+SCRIPT = Path(__file__).with_name("helpers") / "dryrun_script.py"
+
+
+def tiny_llama_state() -> dict[str, torch.Tensor]:
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parents[2]))
+    from examples.tiny_llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, hidden_dim=172, max_seq_len=32))
+    return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+
+def shard_elements(shape: tuple[int, ...], index: int, size: int) -> int:
+    """FSDP2's dim-0 chunk ``index`` of ``size``: ceil-sized chunks, the last ones short or empty."""
+    rows = shape[0]
+    chunk = math.ceil(rows / size)
+    return max(0, min(chunk, rows - chunk * index)) * math.prod(shape[1:])
+
+
+@pytest.mark.timeout(240)
+def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scratch(tmp_path):
+    from safetensors.torch import save_file
+
+    state = tiny_llama_state()
+    save_file(state, tmp_path / "init.safetensors")
+    facts = tmp_path / "facts.json"
+    args = [str(facts), "--steps", "5", "--init_from", str(tmp_path / "init.safetensors"), "--save", "never"]
+    report = dry_run(SCRIPT, args, num_nodes=2, devices_per_node=4, rank=5, max_steps=2, scratch=tmp_path / "s")
+
+    seen = json.loads(facts.read_text())  # what the unchanged script saw: the real cluster's ranks
+    assert seen == {
+        "world_size": 8,
+        "global_rank": 5,
+        "node_rank": 1,
+        "local_rank": 1,
+        "coordinates": [1, 1],
+        "sampler": [8, 5],
+        "device": "cpu",
+    }
+    # the script is left right after its second optimizer.step(): it never got to log step 2
+    assert Path(str(facts) + ".steps").read_text() == "1\n"
+    assert (report.mesh_shape, report.coordinates, report.steps) == ((2, 4), (1, 1), 2)
+    expected = sum(shard_elements(tuple(tensor.shape), 1, 4) for tensor in state.values())
+    assert report.local_parameters == expected
+    assert report.global_parameters == sum(tensor.numel() for tensor in state.values())
+    assert report.local_parameter_bytes == 4 * expected
+    assert report.checkpoint_read == 4 * expected  # its own shard of the file, nothing more
+    assert set(report.phases) == {"setup", "load", "step", "save"}
+    assert report.planned is not None and report.planned.parameters == 4 * expected
+    assert report.ratio is not None and report.ratio > 0
+    (save,) = report.saves
+    assert save["by_dry_run"] and save["kind"] == "sharded"  # the script's own save came after the limit
+    assert save["files"] and all(name.endswith(".distcp") for name in save["files"])
+    assert save["written"] >= 3 * 4 * expected  # parameters and AdamW's two moments
+    assert abs(save["expected_share"] - 3 * 4 * expected / 2) < 1024  # 2 replicas share the writes
+    assert not Path("never").exists()  # nothing committed at the script's path
+    assert any("no GPU" in note for note in report.notes)
+    assert NOT_MEANINGFUL in report.text()
+
+
+@pytest.mark.timeout(240)
+def test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save(tmp_path):
+    facts = tmp_path / "facts.json"
+    args = [str(facts), "--num_nodes", "16", "--devices", "8", "--tp", "2", "--steps", "1", "--save", "ckpt"]
+    report = dry_run(SCRIPT, args, num_nodes=16, devices_per_node=8, rank=77, max_steps=3, scratch=tmp_path / "s")
+    seen = json.loads(facts.read_text())
+    assert (seen["world_size"], seen["global_rank"], seen["node_rank"], seen["local_rank"]) == (128, 77, 9, 5)
+    assert seen["coordinates"] == [9, 2, 1] and seen["sampler"] == [64, 38]  # TP peers share a micro-batch
+    assert (report.mesh_shape, report.coordinates) == ((16, 4, 2), (9, 2, 1))
+    assert abs(report.local_parameters * 8 - report.global_parameters) < 0.05 * report.global_parameters
+    (save,) = report.saves
+    assert not save["by_dry_run"] and save["path"] == "ckpt" and save["written"] > 0
+    assert not Path("ckpt").exists()
+    assert any("ended after 1 optimizer step" in note for note in report.notes)
+
+
+def test_object_collectives_answer_this_ranks_value_under_the_fake_backend():
+    import torch.distributed as dist
+
+    from fabric_hsdp import distributed
+    from fabric_hsdp.agreement import fail_together
+    from fabric_hsdp.dryrun.fake import active, fake_process_group
+
+    with fake_process_group():
+        dist.init_process_group("gloo", rank=5, world_size=1024)
+        assert active() and dist.get_backend() == "fake"
+        assert distributed.broadcast_object({"path": "/ckpt", "seed": 1234}) == {"path": "/ckpt", "seed": 1234}
+        gathered = [None] * 1024
+        dist.all_gather_object(gathered, ("host", 5))
+        assert gathered == [("host", 5)] * 1024
+        with fail_together("a step that works"):
+            pass
+        with pytest.raises(ZeroDivisionError), fail_together("a step that fails here"):
+            1 / 0  # noqa: B018
+    assert not active() and not dist.is_initialized()
+
+
+def run_cli(capsys, *args):
+    code = main([str(arg) for arg in args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys):
+    world = ["dryrun", "--num_nodes", "2", "--devices_per_node", "4"]
+    code, err = run_cli(capsys, *world, "--rank", "8", SCRIPT, tmp_path / "f.json")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("fabric-hsdp: error: --rank 8 is outside the world: 2 node(s) x 4 device(s) = 8 ranks")
+
+    code, err = run_cli(capsys, *world, "--rank", "3", SCRIPT, tmp_path / "f.json", "--no_launch")
+    assert code == 2
+    assert err.splitlines()[-1].startswith(
+        "fabric-hsdp: error: dryrun_script.py never set up a HybridFSDPStrategy with fabric.launch() (it built a"
+        " Fabric with HybridFSDPStrategy but did not call fabric.launch())"
+    )
+
+    code, err = run_cli(capsys, *world, "--rank", "3", SCRIPT, tmp_path / "f.json", "--shard_size", "3")
+    assert code == 1
+    assert err.splitlines()[-1].startswith(
+        "fabric-hsdp: error: dryrun_script.py: ValueError: shard_size(3) does not divide WORLD_SIZE(8)"
+    )
+    assert not (tmp_path / "f.json").exists()
