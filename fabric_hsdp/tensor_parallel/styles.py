@@ -6,11 +6,13 @@ so their names are translated into torch's styles here.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
@@ -74,9 +76,15 @@ class SplitSequence(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        parts: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+        def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if parts.get(id(args[0])) is args[0]:  # activation checkpointing recomputes from the split input
+                return None
             whole = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
-            return (whole.redistribute(placements=[Shard(1)]).to_local(), *args[1:]), kwargs
+            part = whole.redistribute(placements=[Shard(1)]).to_local()
+            parts[id(part)] = part
+            return (part, *args[1:]), kwargs
 
         module.register_forward_pre_hook(split, with_kwargs=True)
         return module
