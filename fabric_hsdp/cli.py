@@ -127,7 +127,7 @@ def _run(command: str, args: Any) -> None:
         from fabric_hsdp.planning.command import run_plan
 
         return run_plan(args)
-    from fabric_hsdp.checkpoint.convert import convert_checkpoint, inspect_checkpoint
+    from fabric_hsdp.checkpoint.writers.convert import convert_checkpoint, inspect_checkpoint
 
     if command == "convert":
         convert_checkpoint(

@@ -31,16 +31,25 @@ from typing_extensions import override
 
 from fabric_hsdp import distributed
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.background import BackgroundSaves
-from fabric_hsdp.checkpoint.full import save_full
-from fabric_hsdp.checkpoint.keys import KeyMapSpec
-from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
-from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
-from fabric_hsdp.checkpoint.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
+from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.training.background import BackgroundSaves
+from fabric_hsdp.checkpoint.training.full_gather import save_full
+from fabric_hsdp.checkpoint.training.raw_load import (
+    LoadMode,
+    LoadResult,
+    load_into_model,
+    restore_extras,
+    validate_load_mode,
+)
+from fabric_hsdp.checkpoint.training.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from fabric_hsdp.checkpoint.training.state import state_parts
+from fabric_hsdp.float8 import validate_float8
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
+from fabric_hsdp.parallelize import Levers, parallelize, validate_activation_checkpointing_mode, validate_compile
 from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
 from fabric_hsdp.planning.memory import Workload
 from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
@@ -54,13 +63,10 @@ from fabric_hsdp.sharding import (
     offload_policy,
     parameter_names,
     repoint_optimizers,
-    shard_model,
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
 from fabric_hsdp.tensor_parallel import (
-    AppliedPlan,
     TensorParallelPlan,
-    apply_tensor_parallel,
     finish_tensor_parallel,
     loss_parallel,
     module_layout,
@@ -129,6 +135,16 @@ class HybridFSDPStrategy(ParallelStrategy):
             group size. ``None`` lets FSDP2 decide (reshard, except for the root).
         activation_checkpointing: Module classes (or a ``(name, module) -> bool`` callable) whose activations are
             recomputed in backward. Uses the composable API, so parameter names stay unchanged.
+        activation_checkpointing_mode: How the modules ``activation_checkpointing`` selects recompute: ``"full"``
+            (default: each keeps only its input), ``"selective"`` (torchtitan's op-level policy: the outputs of
+            matmuls, attention and collectives are kept, the rest recomputed), or an int ``k`` (full recompute of
+            every ``k``-th selected module only).
+        compile: ``True``, or a dict of ``torch.compile`` keyword arguments: each FSDP unit (transformer block) is
+            compiled on its own, in place, after tensor parallelism and activation checkpointing and before
+            ``fully_shard`` (torchtitan's order); parameter and checkpoint names stay unchanged.
+        float8: ``True`` or a torchao recipe name (``"rowwise"``, the default, or ``"tensorwise"``): linear layers
+            compute in float8 (the output head and dims not divisible by 16 excepted). Needs an NVIDIA GPU of
+            compute capability 8.9+ and ``pip install fabric-hsdp[float8]``; refused at construction elsewhere.
         cpu_offload: ``True`` for FSDP2's ``CPUOffloadPolicy()`` (parameters, gradients and optimizer state on CPU), or
             an ``OffloadPolicy`` instance.
         state_dict_type: What ``fabric.save`` writes: ``"sharded"`` (default), a DCP directory written by every rank in
@@ -179,6 +195,9 @@ class HybridFSDPStrategy(ParallelStrategy):
         loss_parallel: bool = False,
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: ModulePolicy | None = None,
+        activation_checkpointing_mode: Literal["full", "selective"] | int = "full",
+        compile: bool | dict[str, Any] = False,
+        float8: bool | str = False,
         cpu_offload: bool | Any = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         async_save: bool = False,
@@ -202,14 +221,19 @@ class HybridFSDPStrategy(ParallelStrategy):
         )
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
         self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
+        self._levers = Levers(
+            tensor_parallel_plan=validate_plan(tensor_parallel_plan),
+            activation_checkpointing=self._activation_checkpointing,
+            activation_checkpointing_mode=validate_activation_checkpointing_mode(activation_checkpointing_mode),
+            compile=validate_compile(compile),
+            float8=validate_float8(float8),
+        )
         self._shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
         self._memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self._workload = workload
         self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
-        self._tensor_parallel_plan = validate_plan(tensor_parallel_plan)
         validate_tensor_parallel_levers(sequence_parallel, loss_parallel, self._tensor_parallel_size)
-        self._sequence_parallel = sequence_parallel
-        self._loss_parallel = loss_parallel
+        self._levers.sequence_parallel, self._levers.loss_parallel = sequence_parallel, loss_parallel
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
@@ -345,28 +369,19 @@ class HybridFSDPStrategy(ParallelStrategy):
                 )
             plan = ShardingPlan(
                 sharded_modules=self._sharded_modules,
-                activation_checkpointing=self._activation_checkpointing,
                 reshard_after_forward=self._reshard_after_forward,
                 mp_policy=mixed_precision_policy(self.precision_name),
                 offload_policy=offload_policy(self._cpu_offload, self.root_device),
             )
-            mesh, applied = self.parallel_mesh, AppliedPlan()
-            if mesh.tensor is not None:  # tensor parallelism first, then activation checkpointing and fully_shard
-                topology = self.topology
-                applied = apply_tensor_parallel(
-                    module,
-                    self._tensor_parallel_plan,
-                    mesh.tensor,
-                    sequence_parallel=self._sequence_parallel,
-                    loss_parallel=self._loss_parallel,
-                    largest_size=math.gcd(topology.ranks_per_node, topology.shard_size),
-                )
-            shard_model(module, mesh.fsdp, plan)
+            mesh, topology = self.parallel_mesh, self.topology
+            # the sizes tensor-parallel errors may suggest: those dividing a node and the shard group
+            self._levers.largest_tensor_parallel_size = math.gcd(topology.ranks_per_node, topology.shard_size)
+            parallelize(module, mesh, plan, self._levers)  # float8 -> TP -> AC -> compile -> fully_shard
         # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
         materialize_local_shards(module, self.root_device, self.topology.position_in_copy(self.global_rank))
         make_replicas_identical(module, mesh)
         if mesh.tensor is not None:
-            finish_tensor_parallel(module, applied, mesh.tensor, self.root_device)
+            finish_tensor_parallel(module, self._levers.tensor_parallel, mesh.tensor, self.root_device)
         self._sharded.add(module)
         return module
 
@@ -380,13 +395,15 @@ class HybridFSDPStrategy(ParallelStrategy):
                 num_nodes=self.num_nodes,
                 ranks_per_node=self.num_processes,
                 tensor_parallel_size=self._tensor_parallel_size,
-                tensor_parallel_plan=self._tensor_parallel_plan,
+                tensor_parallel_plan=self._levers.tensor_parallel_plan,
                 precision=self.precision_name,
                 workload=self._workload,
                 activation_checkpointing=self._activation_checkpointing is not None,
                 cpu_offload=self._cpu_offload,
                 reshard_after_forward=self._reshard_after_forward,
                 backend=self._process_group_backend,
+                sequence_parallel=self._levers.sequence_parallel,
+                loss_parallel=self._levers.loss_parallel,
             )
         self._mesh = self._topology.build_mesh(self.root_device.type)
         info_on_rank_zero(_logger, "%s", describe_choice(plan))
@@ -494,7 +511,7 @@ class HybridFSDPStrategy(ParallelStrategy):
 
         The loss is a replicated DTensor: ``.item()`` as usual, ``.full_tensor()`` to add it to plain tensors.
         """
-        return loss_parallel(self._loss_parallel)
+        return loss_parallel(self._levers.loss_parallel)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.

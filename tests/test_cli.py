@@ -171,9 +171,9 @@ def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path, dest, slow
     # each tensor read (or each 16 MiB written) takes 0.5 s longer, so the interrupt lands there even when the
     # machine is idle: inside torch's zip writer for "writing" to a DCP directory or a torch file
     patch = {
-        "reading": "from fabric_hsdp.checkpoint.source import LazyTensor as C; slow = C.read;"
+        "reading": "from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor as C; slow = C.read;"
         " C.read = lambda self, out=None: (time.sleep(0.5), slow(self, out))[1];",
-        "writing": "from fabric_hsdp.checkpoint.fileio import DirectFileWriter as C; slow = C._write_all;"
+        "writing": "from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter as C; slow = C._write_all;"
         " C._write_all = lambda self, view: (time.sleep(0.5), slow(self, view))[1];",
     }[slowed]
     slowed = f"import sys, time; from fabric_hsdp import cli; {patch} sys.exit(cli.main(sys.argv[1:]))"
@@ -215,11 +215,11 @@ def test_a_reader_that_stops_early_is_not_an_error(checkpoint):
 
 def test_the_command_imports_neither_lightning_nor_the_strategy():
     code = (
-        "import json, sys, fabric_hsdp.cli, fabric_hsdp.checkpoint, fabric_hsdp.checkpoint.convert;"
+        "import json, sys, fabric_hsdp.cli, fabric_hsdp.checkpoint, fabric_hsdp.checkpoint.writers.convert;"
         " print(json.dumps(sorted(sys.modules)))"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     modules = json.loads(output.stdout)
     assert [name for name in modules if name == "lightning" or name.startswith("lightning.")] == []
-    assert "fabric_hsdp.strategy" not in modules and "fabric_hsdp.checkpoint.convert" in modules
+    assert "fabric_hsdp.strategy" not in modules and "fabric_hsdp.checkpoint.writers.convert" in modules

@@ -136,3 +136,32 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys):
         "fabric-hsdp: error: dryrun_script.py: ValueError: shard_size(3) does not divide WORLD_SIZE(8)"
     )
     assert not (tmp_path / "f.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_plan_verify_dry_runs_the_recommended_layout(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path)
+    code = main(
+        ["plan", str(tmp_path), "--num_nodes", "2", "--devices_per_node", "4", "--device_memory", "1GB"]
+        + ["--precision", "32-true", "--seq_len", "16", "--tensor_parallel_size", "2", "--verify", "--json"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    document = json.loads(out[out.index("{") :])
+    (recommended,) = [row for row in document["layouts"] if row["recommended"]]
+    verify = document["verify"]
+    assert verify["mesh_shape"] == recommended["mesh_shape"] and verify["rank"] == 0
+    # rank 0 holds the largest shard, which is what the planner counts
+    assert verify["local_parameter_bytes"] == recommended["bytes_per_device"]["parameters"]
+    assert verify["planned"]["total"] == recommended["bytes_per_device"]["total"]
+    assert verify["steps"] == 1 and verify["measured_over_planned"] > 0

@@ -1,7 +1,5 @@
 """Tensor parallelism as the third mesh dim: 1 node x 4 ranks (1, 2, 2) and 2 simulated nodes x 2 ranks (2, 1, 2)."""
 
-import re
-
 import pytest
 import torch
 
@@ -14,28 +12,39 @@ LEVERS = {"sequence_parallel": True, "loss_parallel": True}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # one launch of 600 s: plain TP and the levers, 4 models
 @pytest.mark.parametrize(
     ("nodes", "per_node", "mesh"), [(1, 4, (1, 2, 2)), (2, 2, (2, 1, 2))], ids=["1x4-mesh122", "2x2-mesh212"]
 )
 def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node, mesh):
     """Plain TP and TP with sequence + loss parallelism, each against the same single-process runs."""
-    options = {"kinds": KINDS, "accumulate": 2, "clip": "norm", "activation_checkpointing": True}
-    options["variants"] = {"levers": LEVERS}
+    # the control: the same criterion must fail a planted bug (no gradient reduction across data-parallel ranks)
+    options = {
+        "kinds": KINDS,
+        "accumulate": 2,
+        "clip": "norm",
+        "activation_checkpointing": True,
+        "bugs": ["skip_sync_flush"],
+        "variants": {"levers": LEVERS},
+    }
     values = (
         launch(
             "tests.scenarios.parity:parity",
             dict(options, tensor_parallel_size=2),
             num_nodes=nodes,
             ranks_per_node=per_node,
-            timeout=400,
+            timeout=600,
         )
         .check()
         .values
     )
     data_parallel = 2
     for kind in KINDS:
+        for rank, rank_values in enumerate(values):  # every rank judges the parameters it gathered
+            facts = rank_values[kind]
+            assert not within_noise(facts["ours"], facts["floor"]), (kind, rank, facts["ours"], facts["floor"])
+            assert facts["forwards_per_micro_batch"] == 2, (kind, facts["forwards_per_micro_batch"])  # recomputed
         facts = values[0][kind]
-        assert not within_noise(facts["ours"], facts["floor"]), (kind, facts["ours"], facts["floor"])
         levers = facts["variants"]["levers"]
         assert not within_noise(levers, facts["floor"]), (kind, levers, facts["floor"])
         # tensor-parallel peers (consecutive ranks) got the same micro-batches, data-parallel ranks different ones
@@ -44,6 +53,8 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
         batches = [v[kind]["batches"] for v in values]
         assert batches[0] == batches[1] and batches[2] == batches[3], kind
         assert batches[0] != batches[2], kind
+    (bug, distance), floor = values[0][KINDS[0]]["bugs"].popitem(), values[0][KINDS[0]]["floor"]
+    assert within_noise(distance, floor), (bug, distance, floor)
 
 
 @pytest.mark.slow
@@ -97,14 +108,15 @@ def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
     assert result.returncodes == [1, 1, 1, 1]
     for rank in result.ranks:
         assert message in rank.stderr, rank.stderr[-2000:]
-        ended = re.search(r"setup ended after ([\d.]+)s", rank.stdout)
-        assert ended is None or float(ended.group(1)) < 10, rank.stdout
+        # fast: every rank ended by itself with the error, none was left in a collective for the launcher to kill
+        assert "setup ended after" in rank.stdout, rank.stdout
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(560)  # one launch of 500 s
 def test_ties_export_layout_dropout_and_checkpoints_across_sequence_and_loss_parallelism(tmp_path):
     """One launch on (1, 2, 2), strategies one after another (see tests/scenarios/tp_levers.py)."""
-    values = launch("tests.scenarios.tp_levers:levers", {"out": str(tmp_path)}, timeout=400).check().values
+    values = launch("tests.scenarios.tp_levers:levers", {"out": str(tmp_path)}, timeout=500).check().values
     facts = values[0]
     print({key: value for key, value in facts.items() if key != "memory"})
     # tied embeddings: one parameter split by vocabulary rows, as many in the optimizer as in the model, equal after

@@ -62,6 +62,9 @@ def plan_parser() -> Any:
     )
     parser.add_argument("--backend", type=str, default="nccl", choices=["nccl", "gloo"], help="collectives' library")
     parser.add_argument("--json", action="store_true", help="print one JSON object with a 'layouts' list")
+    parser.add_argument(
+        "--verify", action="store_true", help="dry-run the recommended layout (rank 0, one step): measured vs planned"
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return parser
 
@@ -100,11 +103,20 @@ def run_plan(args: Any) -> None:
     sizes = None if args.tensor_parallel_size is None else [args.tensor_parallel_size]
     plan = make_plan(load_model_shape(args.model), cluster, training, args.safety_margin, sizes)
     error = no_fit_error(plan, args.tensor_parallel_size) if plan.recommended is None else None
+    verify = args.verify and error is None  # the dry run's own module builds and runs it (fabric_hsdp/dryrun/verify.py)
     if args.json:
         document = plan_dict(plan)
         document["error"] = None if error is None else str(error)
+        if verify:
+            from fabric_hsdp.dryrun.verify import verify_plan
+
+            document["verify"] = verify_plan(args, plan)[1].as_dict()
         print(json.dumps(document, indent=2))
     else:
         print(plan_table(plan))
+        if verify:
+            from fabric_hsdp.dryrun.verify import verify_plan
+
+            print(verify_plan(args, plan)[0])
     if error is not None:
         raise error

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fabric_hsdp.checkpoint import KeyMatch, TensorInfo, format_key_errors, make_key_map, match_keys
-from fabric_hsdp.checkpoint.keys import parse_key_map_rules, suggest_prefix_rule
+from fabric_hsdp.checkpoint.core.keys import parse_key_map_rules, suggest_prefix_rule
 
 
 def test_make_key_map_specs():

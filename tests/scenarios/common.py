@@ -156,7 +156,7 @@ class ReadCounter:
     """Counts the tensor bytes this process reads from checkpoint files (every such read ends in fileio.readinto)."""
 
     def __init__(self) -> None:
-        from fabric_hsdp.checkpoint import fileio
+        from fabric_hsdp.checkpoint.core import fileio
 
         self.bytes = 0
         readinto = fileio.readinto

@@ -22,7 +22,8 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
     (its watchdog thread runs on). ``stall="save-stop"``: during the next save, ``stalled_rank`` writes one piece,
     then stops its whole process (``SIGSTOP``: no thread of it runs; its ring neighbour must notice).
     """
-    from fabric_hsdp.checkpoint import direct_writer, fileio
+    from fabric_hsdp.checkpoint.core import fileio
+    from fabric_hsdp.checkpoint.writers import direct_writer
 
     # the collectives' own timeout is far away: only the watchdog can end this job in time
     fabric = make_fabric(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
@@ -34,6 +35,9 @@ class Trained:
     norms: list[float]
     state: dict[str, torch.Tensor]
     batches: list = field(default_factory=list)  # the inputs of each micro-batch this rank trained on
+    forwards_per_micro_batch: float = 0.0  # forward calls of each layer per micro-batch: 2 when it is recomputed
+    use_cache: Any = None  # a transformers model's config.use_cache after setup
+    resharded_after_forward: bool | None = None  # a layer's parameters are sharded again after a forward
 
 
 def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -118,6 +122,9 @@ def _train_sharded(
         else:
             model = fabric.setup_module(model)
             optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    layers = [sub for sub in model.modules() if isinstance(sub, layer_class(kind))]
+    forwards = [0]
+    hooks = [layer.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) for layer in layers]
     dataset = TensorDataset(inputs, targets)
     if bug == "wrong_sampler":  # every replica reads the first replica's rows instead of its own
         shard_size = fabric.strategy.topology.shard_size
@@ -149,7 +156,16 @@ def _train_sharded(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
-    return Trained(losses, norms, full_state(model), seen)
+    for hook in hooks:
+        hook.remove()
+    config = getattr(getattr(model, "module", model), "config", None)
+    per_micro_batch = forwards[0] / (len(layers) * steps * accumulate)
+    state = full_state(model)
+    with torch.no_grad():  # FSDP2 leaves a layer's parameters gathered after forward with reshard_after_forward=False
+        logits_of(model, inputs[:1])
+    resharded = all(isinstance(p, DTensor) for p in layers[0].parameters())
+    use_cache = getattr(config, "use_cache", None)
+    return Trained(losses, norms, state, seen, per_micro_batch, use_cache, resharded)
 
 
 def _relative(values: list[float], reference: list[float]) -> float:
@@ -186,7 +202,8 @@ def parity(
 ) -> dict[str, Any]:
     """Train sharded (and, for ``bugs``, with each bug planted); return distances to one process and the noise floor.
 
-    ``kinds``: several models, one after the other in this launch (the result is then keyed by kind).
+    ``kinds``: several models, one after the other in this launch (the result is then keyed by kind); ``bugs`` are
+    planted in the first one only.
     ``variants``: with ``kinds``, more strategies (label -> extra strategy arguments, e.g. sequence_parallel=True)
     trained in the same launch against the same references; their distances under ``"variants"``.
     ``strategy_kwargs``: passed to the strategy, e.g. ``tensor_parallel_size=2``.
@@ -201,7 +218,10 @@ def parity(
             label: make_fabric(num_nodes, devices, **strategy_kwargs, **extra)
             for label, extra in (variants or {}).items()
         }
-        return {name: _parity(fabric, name, **options, variants=others) for name in kinds}
+        return {
+            name: _parity(fabric, name, **dict(options, bugs=bugs if name == kinds[0] else []), variants=others)
+            for name in kinds
+        }
     fabric = make_fabric(num_nodes, devices, sharded_modules=layers, **strategy_kwargs)
     return _parity(fabric, kind, **options)
 
@@ -242,4 +262,7 @@ def _parity(
         },
         "sampler": sampler,
         "batches": ours.batches,
+        "forwards_per_micro_batch": ours.forwards_per_micro_batch,
+        "use_cache": ours.use_cache,
+        "resharded_after_forward": ours.resharded_after_forward,
     }

@@ -7,7 +7,7 @@ DTensor twice (``deepcopy``, then into a fresh buffer) and moves a CUDA one to C
 
 DCP's coordinator writes ``.metadata`` only after every rank has written and synced its files; when that has
 happened, rank 0 commits the staging directory from the writing thread with the same atomic swap as a blocking save
-(:func:`fabric_hsdp.checkpoint.commit.commit`). A failure is raised on every rank at the next point where all ranks
+(:func:`fabric_hsdp.checkpoint.core.commit.commit`). A failure is raised on every rank at the next point where all ranks
 meet: the next save or load, ``strategy.wait_for_checkpoint()`` or ``teardown()``. A script that just ends lets the
 write finish (Python joins DCP's writing thread before running ``atexit`` handlers); the strategy's exit handler then
 reports a failure and sets the exit status.
@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint import commit
-from fabric_hsdp.checkpoint.boxes import StoredBoxes
-from fabric_hsdp.checkpoint.dcp_io import SavePlanner, save_error
-from fabric_hsdp.checkpoint.direct_writer import DirectWriter
-from fabric_hsdp.checkpoint.progress import log_throughput
+from fabric_hsdp.checkpoint.core import commit
+from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
+from fabric_hsdp.checkpoint.core.dcp_errors import save_error
+from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import SaveError
 
 _logger = logging.getLogger(__name__)

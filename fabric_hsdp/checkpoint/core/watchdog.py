@@ -6,7 +6,7 @@ a save or a load runs, each rank's :class:`IOWatchdog` thread watches:
 
 * this rank: while it is *in I/O* (between :func:`doing_io` entering and leaving: its own reads or writes, not the
   collectives around them), the bytes it has read or written must advance (:func:`advance`, called by
-  :mod:`fabric_hsdp.checkpoint.fileio` every 64 MiB and by the save's file streams) at least once per ``timeout``;
+  :mod:`fabric_hsdp.checkpoint.core.fileio` every 64 MiB and by the save's file streams) at least once per ``timeout``;
 * the next rank in a ring (rank ``r`` watches rank ``r + 1``): the same rule on what that rank last posted to the
   job's TCPStore, so a rank whose every thread is stopped (``SIGSTOP``, a frozen node) is caught too.
 

@@ -3,7 +3,7 @@
 Layout of a sharded checkpoint (the same as Lightning's ``ModelParallelStrategy``, so each reads the other's): DCP
 entries ``<model key>.<param>`` and ``<optimizer key>.*`` written by every rank in parallel, each replicated shard
 once (DCP's planner dedups replicas), plus ``meta.pt`` with the plain values, written by rank 0. A save becomes
-visible at its path only when complete (see :mod:`fabric_hsdp.checkpoint.commit`).
+visible at its path only when complete (see :mod:`fabric_hsdp.checkpoint.core.commit`).
 """
 
 from __future__ import annotations
@@ -12,68 +12,26 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.load import _move_state_into
-from lightning.fabric.utilities.types import _Stateful
 from torch import nn
-from torch.optim import Optimizer
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint import background, boxes, commit, replica_split
-from fabric_hsdp.checkpoint.dcp_io import (
-    META_FILE,
-    OneCopyReader,
-    SafeLoadPlanner,
-    SavePlanner,
-    check_complete,
-    first_failure,
-    read_metadata,
-    save_error,
-    top_level_keys,
-)
-from fabric_hsdp.checkpoint.direct_writer import DirectWriter
-from fabric_hsdp.checkpoint.progress import log_throughput
+from fabric_hsdp.checkpoint.core import boxes, commit
+from fabric_hsdp.checkpoint.core.dcp_errors import first_failure, save_error
+from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner, SavePlanner
+from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete, read_metadata, top_level_keys
+from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
+from fabric_hsdp.checkpoint.training import background, replica_split
+from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
+from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
-
-
-class StateParts(NamedTuple):
-    """A checkpoint state sorted by kind: the one sharded model, the optimizers, and the plain values."""
-
-    model_key: str
-    model: nn.Module
-    optimizers: dict[str, Optimizer]
-    plain: dict[str, Any]
-
-
-def state_parts(state: dict[str, Any]) -> StateParts:
-    """Sort ``state`` into its parts; exactly one model set up by the strategy (holding DTensors) is required."""
-    from torch.distributed.tensor import DTensor
-
-    models = {
-        key: value
-        for key, value in state.items()
-        if isinstance(value, nn.Module) and any(isinstance(p, DTensor) for p in value.parameters())
-    }
-    if len(models) != 1:
-        found = "no model set up by the strategy" if not models else f"{len(models)} sharded models ({list(models)})"
-        raise ValueError(
-            f"The checkpoint state must hold exactly one model set up with fabric.setup_module; found {found}. Pass"
-            " it as state={'model': model, 'optimizer': optimizer, ...}; save other models under other paths."
-        )
-    (model_key, model), *_ = models.items()
-    optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-    plain = {key: value for key, value in state.items() if key not in models and key not in optimizers}
-    return StateParts(model_key, model, optimizers, plain)
-
-
-def plain_values(plain: dict[str, Any]) -> dict[str, Any]:
-    """The values to store for the plain entries of a state: ``state_dict()`` of stateful objects (schedulers)."""
-    return {key: value.state_dict() if isinstance(value, _Stateful) else value for key, value in plain.items()}
 
 
 def save_sharded(
@@ -132,7 +90,7 @@ def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
 
 def in_stored_layout(tensors: dict[str, Any], model: nn.Module) -> tuple[dict[str, Any], list[boxes.Replaced]]:
     """``tensors`` (model and optimizer state dicts) with the rows tensor parallelism regrouped put back in the
-    model's own order, as :class:`~fabric_hsdp.checkpoint.boxes.StoredBoxes` (sharing memory with the tensors)."""
+    model's own order, as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (sharing memory with the tensors)."""
     fused = fused_rows_of(model)
     if not fused:
         return tensors, []
@@ -152,7 +110,7 @@ def load_sharded(
     """Restore the model, optimizers and plain values of ``state`` in place from a DCP directory, on any topology.
 
     With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`), replicas each read a ``1/R``
-    part of their shards and all-gather the rest (:mod:`fabric_hsdp.checkpoint.replica_split`).
+    part of their shards and all-gather the rest (:mod:`fabric_hsdp.checkpoint.training.replica_split`).
 
     Returns:
         What the checkpoint holds beyond what ``state`` asked for (Fabric's ``load`` semantics).

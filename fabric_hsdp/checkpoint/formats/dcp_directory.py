@@ -22,17 +22,15 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from fabric_hsdp.checkpoint import fileio
-from fabric_hsdp.checkpoint.dcp_io import (
-    META_FILE,
-    OneCopyReader,
-    SafeLoadPlanner,
-    check_complete,
-    read_box,
-    single_process_dcp,
-)
-from fabric_hsdp.checkpoint.source import CheckpointSource, LazyTensor, TensorInfo, find_model_tensors
-from fabric_hsdp.checkpoint.torch_file import refused_pickle
+from fabric_hsdp.checkpoint.core import fileio
+from fabric_hsdp.checkpoint.core.dcp_errors import single_process_dcp
+from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete
+from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader, read_box
+from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
+from fabric_hsdp.checkpoint.formats.torch_file import refused_pickle
+from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
 from fabric_hsdp.errors import CheckpointError
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fabric_hsdp.checkpoint import watchdog
+from fabric_hsdp.checkpoint.core import watchdog
 
 # Reads are issued in pieces of this size (each one reported to the I/O watchdog); short reads are retried.
 _READ_PIECE = 64 << 20

@@ -26,13 +26,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint import watchdog
-from fabric_hsdp.checkpoint.boxes import global_box, stored_pieces
-from fabric_hsdp.checkpoint.fileio import release_freed_memory
-from fabric_hsdp.checkpoint.formats import open_checkpoint
-from fabric_hsdp.checkpoint.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
-from fabric_hsdp.checkpoint.progress import Progress
-from fabric_hsdp.checkpoint.source import CheckpointSource, LazyTensor, TensorInfo, read_lazy
+from fabric_hsdp.checkpoint.core import watchdog
+from fabric_hsdp.checkpoint.core.boxes import global_box, stored_pieces
+from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.core.progress import Progress
+from fabric_hsdp.checkpoint.core.tree import read_lazy
+from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 

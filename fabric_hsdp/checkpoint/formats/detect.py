@@ -37,11 +37,11 @@ import logging
 import os
 from pathlib import Path
 
-from fabric_hsdp.checkpoint.dcp_directory import DCPSource
-from fabric_hsdp.checkpoint.hf_directory import IndexedDirectory
-from fabric_hsdp.checkpoint.safetensors_file import SafetensorsFile, looks_like_safetensors
-from fabric_hsdp.checkpoint.source import ACCEPTED_FORMATS, CheckpointSource
-from fabric_hsdp.checkpoint.torch_file import TorchFileSource
+from fabric_hsdp.checkpoint.formats.dcp_directory import DCPSource
+from fabric_hsdp.checkpoint.formats.hf_directory import IndexedDirectory
+from fabric_hsdp.checkpoint.formats.safetensors_file import SafetensorsFile, looks_like_safetensors
+from fabric_hsdp.checkpoint.formats.source import ACCEPTED_FORMATS, CheckpointSource
+from fabric_hsdp.checkpoint.formats.torch_file import TorchFileSource
 from fabric_hsdp.errors import CheckpointError
 
 _logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fabric_hsdp.checkpoint.source import CheckpointSource, TensorInfo
+from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.errors import CheckpointError
 
 

@@ -3,12 +3,12 @@
 Measured on this project's machine (``benchmarks/checkpoint_io.py``, profiled with cProfile per rank): of a
 sharded save's CPU time, torch's zip writer spent about a third computing each record's CRC32, the buffered writes a
 third copying into the page cache and ``fsync`` the rest waiting for that cache to be written back. Here each
-``.distcp`` file is written through :class:`~fabric_hsdp.checkpoint.fileio.DirectFileWriter` (``O_DIRECT`` from two
+``.distcp`` file is written through :class:`~fabric_hsdp.checkpoint.core.fileio.DirectFileWriter` (``O_DIRECT`` from two
 aligned buffers, the disk writing one while the next is filled) and records carry no CRC32
 (``torch.serialization.set_crc32_options(False)`` while the files are written). The format is unchanged: torch's
 readers, DCP's ``FileSystemReader``, ``dcp_to_torch_save`` and Lightning's consolidation read these files; only a
 generic ``unzip`` would warn about the CRC fields. Each file is fsync'ed when closed, before DCP writes
-``.metadata``. Progress goes to the I/O watchdog (:mod:`fabric_hsdp.checkpoint.watchdog`) every 64 MiB.
+``.metadata``. Progress goes to the I/O watchdog (:mod:`fabric_hsdp.checkpoint.core.watchdog`) every 64 MiB.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from fabric_hsdp.checkpoint import watchdog
-from fabric_hsdp.checkpoint.fileio import DirectFileWriter
+from fabric_hsdp.checkpoint.core import watchdog
+from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter
 
 # Writes are handed to the file in pieces of this size, each reported to the watchdog.
 _WRITE_PIECE = 64 << 20

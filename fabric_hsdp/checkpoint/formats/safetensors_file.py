@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from fabric_hsdp.checkpoint import fileio
-from fabric_hsdp.checkpoint.source import CheckpointSource, TensorInfo
+from fabric_hsdp.checkpoint.core import fileio
+from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.errors import CheckpointError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {

@@ -18,8 +18,11 @@ from typing import Any
 
 import torch
 
-from fabric_hsdp.checkpoint import fileio
-from fabric_hsdp.checkpoint.source import CheckpointSource, LazyTensor, TensorInfo, find_model_tensors, map_tensors
+from fabric_hsdp.checkpoint.core import fileio
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.core.tree import map_tensors
+from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
+from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
 from fabric_hsdp.errors import CheckpointError, unsafe_pickle_error
 
 _logger = logging.getLogger(__name__)

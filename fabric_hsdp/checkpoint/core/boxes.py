@@ -4,14 +4,14 @@ DCP knows a DTensor's local shard as one box of the global tensor. Two cases nee
 
 * rows regrouped by tensor parallelism (litgpt's ``qkv``, see :mod:`fabric_hsdp.tensor_parallel.fused_rows`): the
   local shard is several boxes of the stored tensor, which keeps the model's own row order;
-* split replica reads (:mod:`fabric_hsdp.checkpoint.replica_split`): a rank reads only some rows of its shard.
+* split replica reads (:mod:`fabric_hsdp.checkpoint.training.replica_split`): a rank reads only some rows of its shard.
 
 :func:`stored_pieces` maps local rows to boxes of the stored tensor, and :class:`StoredBoxes` presents them to DCP
 through its checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``), so DCP's own planning writes and reads each box, reshards across any layout, and
 deduplicates replicas. DCP's default planners look objects up by type, so the planners of
-:mod:`fabric_hsdp.checkpoint.dcp_io` call :func:`lookup` for these. The same pieces serve raw loading
-(:mod:`fabric_hsdp.checkpoint.loading`), which reads each box of a consolidated file.
+:mod:`fabric_hsdp.checkpoint.core.dcp_planners` call :func:`lookup` for these. The same pieces serve raw loading
+(:mod:`fabric_hsdp.checkpoint.training.raw_load`), which reads each box of a consolidated file.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Streaming writers of consolidated files: a torch file, and safetensors (one file or Hugging Face shards + index).
 
 Every writer takes the tensors as a mapping or an iterable of ``(name, tensor)`` pairs. Values may be tensors or
-:class:`~fabric_hsdp.checkpoint.source.LazyTensor` (what ``CheckpointSource.lazy_tensors()`` gives): lazy values are
-read one at a time, into one scratch buffer the size of the largest tensor, and written through
-:class:`~fabric_hsdp.checkpoint.fileio.DirectFileWriter` (``O_DIRECT`` with two 16 MiB buffers, written on a thread).
+:class:`~fabric_hsdp.checkpoint.core.lazy_tensor.LazyTensor` (what ``CheckpointSource.lazy_tensors()`` gives): lazy
+values are read one at a time, into one scratch buffer the size of the largest tensor, and written through
+:class:`~fabric_hsdp.checkpoint.core.fileio.DirectFileWriter` (``O_DIRECT`` with two 16 MiB buffers, written on a
+thread).
 So a writer holds the largest tensor plus 32 MiB, whatever the checkpoint's size (benchmarks/convert.py measures it).
 Plain tensors (not LazyTensor) are written as they are, without a copy; holding them is the caller's memory.
 
@@ -13,9 +14,10 @@ Plain tensors (not LazyTensor) are written as they are, without a copy; holding 
 * safetensors: the documented header (8-byte length + JSON) is computed from shapes first, then data follows. The
   ``safetensors`` library cannot do this: ``save_file`` takes every tensor in memory at once.
 
-The DCP writer (:mod:`fabric_hsdp.checkpoint.dcp_writer`) shares :func:`contiguous_cpu` and :func:`check_entries`.
+The DCP writer (:mod:`fabric_hsdp.checkpoint.writers.dcp_writer`) shares :func:`contiguous_cpu` and
+:func:`check_entries`.
 Outputs appear under their final name only when complete and fsync'ed
-(:func:`fabric_hsdp.checkpoint.commit.atomic_output`).
+(:func:`fabric_hsdp.checkpoint.core.commit.atomic_output`).
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from typing import Any
 
 import torch
 
-from fabric_hsdp.checkpoint.commit import atomic_output
-from fabric_hsdp.checkpoint.fileio import DirectFileWriter, ScratchBuffer, release_freed_memory
-from fabric_hsdp.checkpoint.safetensors_file import SAFETENSORS_DTYPES
-from fabric_hsdp.checkpoint.source import LazyTensor, map_tensors, nbytes, tensor_leaves
+from fabric_hsdp.checkpoint.core.commit import atomic_output
+from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter, ScratchBuffer, release_freed_memory
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.core.tree import map_tensors, nbytes, tensor_leaves
+from fabric_hsdp.checkpoint.formats.safetensors_file import SAFETENSORS_DTYPES
 from fabric_hsdp.units import parse_bytes
 
 TensorLike = torch.Tensor | LazyTensor

@@ -2,7 +2,7 @@
 
 ``dcp.save`` is a single call; its planner is handed meta tensors and reads each real tensor only when the storage
 writer asks for it, into one scratch buffer; the files are written through
-:class:`~fabric_hsdp.checkpoint.fileio.DirectFileWriter`.
+:class:`~fabric_hsdp.checkpoint.core.fileio.DirectFileWriter`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from fabric_hsdp.checkpoint.commit import atomic_output
-from fabric_hsdp.checkpoint.dcp_io import META_FILE, single_process_dcp
-from fabric_hsdp.checkpoint.fileio import DirectFileWriter, release_freed_memory
-from fabric_hsdp.checkpoint.source import map_tensors, read_lazy
-from fabric_hsdp.checkpoint.writers import (
+from fabric_hsdp.checkpoint.core.commit import atomic_output
+from fabric_hsdp.checkpoint.core.dcp_errors import single_process_dcp
+from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter, release_freed_memory
+from fabric_hsdp.checkpoint.core.tree import map_tensors, read_lazy
+from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
+from fabric_hsdp.checkpoint.writers.full_files import (
     ProgressFn,
     TensorsArg,
     check_entries,
@@ -78,7 +79,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 
 
 class _DirectFileSystem(FileSystem):
-    """DCP's local filesystem, writing files through :class:`~fabric_hsdp.checkpoint.fileio.DirectFileWriter`."""
+    """DCP's local filesystem, writing files through :class:`~fabric_hsdp.checkpoint.core.fileio.DirectFileWriter`."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:

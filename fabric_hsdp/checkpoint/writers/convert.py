@@ -1,7 +1,7 @@
 """Offline, streaming checkpoint conversion and inspection (single process, no process group).
 
-``convert_checkpoint`` reads any format :func:`~fabric_hsdp.checkpoint.formats.open_checkpoint` accepts and writes
-DCP, a torch file or safetensors, one tensor at a time. ``inspect_checkpoint`` describes a checkpoint from its
+``convert_checkpoint`` reads any format :func:`~fabric_hsdp.checkpoint.formats.detect.open_checkpoint` accepts and
+writes DCP, a torch file or safetensors, one tensor at a time. ``inspect_checkpoint`` describes a checkpoint from its
 metadata alone.
 """
 
@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
-from fabric_hsdp.checkpoint.dcp_directory import storage_files
-from fabric_hsdp.checkpoint.dcp_writer import write_dcp
-from fabric_hsdp.checkpoint.formats import open_checkpoint
-from fabric_hsdp.checkpoint.keys import KeyMapSpec, apply_key_map
-from fabric_hsdp.checkpoint.progress import Progress
-from fabric_hsdp.checkpoint.source import LazyTensor, TensorInfo, tensor_leaves, tree_nbytes
-from fabric_hsdp.checkpoint.writers import write_safetensors, write_torch_file
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, apply_key_map
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.core.progress import Progress
+from fabric_hsdp.checkpoint.core.tree import tensor_leaves, tree_nbytes
+from fabric_hsdp.checkpoint.formats.dcp_directory import storage_files
+from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+from fabric_hsdp.checkpoint.formats.source import TensorInfo
+from fabric_hsdp.checkpoint.writers.dcp_writer import write_dcp
+from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
 from fabric_hsdp.units import format_binary_bytes, parse_bytes
 
 _logger = logging.getLogger(__name__)
@@ -130,7 +132,7 @@ def convert_checkpoint(
             directory name writes a Hugging Face directory, sharded by ``max_shard_size``).
         to: ``"dcp"``, ``"torch"`` or ``"safetensors"``.
         dtype: cast floating-point model tensors (``"bf16"``, ``"fp16"``, ``"fp32"``); otherwise bit-exact.
-        key_map: rename/drop model tensors (see :mod:`fabric_hsdp.checkpoint.keys`).
+        key_map: rename/drop model tensors (see :mod:`fabric_hsdp.checkpoint.core.keys`).
         max_shard_size: largest safetensors shard of a directory output, e.g. ``"5GB"``.
         overwrite: replace an existing ``dest``.
         weights_only: unpickle safely; ``False`` only for trusted checkpoints.

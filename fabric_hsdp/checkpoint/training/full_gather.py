@@ -1,9 +1,9 @@
 """Consolidated exports of the strategy's state: one ``.pth`` (Fabric's layout) or ``.safetensors`` file from rank 0.
 
 Rank 0 asks for one tensor at a time by name; every rank takes part in that one gather, and rank 0 streams the tensor
-into the file (the writers of :mod:`fabric_hsdp.checkpoint.writers`). Rank 0 thus holds the file's structure plus one
-full tensor; the others one full tensor at most. The file holds the model's own layout whatever the mesh: rows that
-tensor parallelism regrouped (litgpt's ``qkv``) are written in the model's order.
+into the file (the writers of :mod:`fabric_hsdp.checkpoint.writers.full_files`). Rank 0 thus holds the file's
+structure plus one full tensor; the others one full tensor at most. The file holds the model's own layout whatever
+the mesh: rows that tensor parallelism regrouped (litgpt's ``qkv``) are written in the model's order.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.sharded import plain_values, state_parts
-from fabric_hsdp.checkpoint.source import LazyTensor
-from fabric_hsdp.checkpoint.writers import write_safetensors, write_torch_file
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
+from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
 

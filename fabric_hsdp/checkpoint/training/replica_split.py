@@ -4,7 +4,7 @@ Under HSDP every replica (a node, or a group of nodes) holds the same shards, so
 checkpoint once per replica: R replicas make the shared filesystem serve R copies. Here every tensor that is
 replicated along ``replicate`` and whose local rows split evenly into R parts is read in ``1/R`` slices: the replica
 at ``replicate`` index ``r`` reads rows ``[r L/R, (r+1) L/R)`` of its local shard (the boxes of the stored tensor
-they hold, :mod:`fabric_hsdp.checkpoint.boxes`), and an all-gather along ``replicate`` then puts the whole shard on
+they hold, :mod:`fabric_hsdp.checkpoint.core.boxes`), and an all-gather along ``replicate`` then puts the whole shard on
 every replica. The filesystem serves one copy of the checkpoint; the other ``R - 1`` travel over the network, once
 per shard. This works the same on the 2-D mesh and on the 3-D mesh of tensor parallelism, regrouped rows included.
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fabric_hsdp.checkpoint import boxes
+from fabric_hsdp.checkpoint.core import boxes
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows
 
 if TYPE_CHECKING:
@@ -46,8 +46,8 @@ def replica_parts(
         fused: The parameters whose rows tensor parallelism regrouped (read in the checkpoint's order either way).
 
     Returns:
-        The view to pass to ``dcp.load``, what it replaced (see :func:`~fabric_hsdp.checkpoint.boxes.dcp_view`), and
-        the parts to hand to :func:`gather` afterwards.
+        The view to pass to ``dcp.load``, what it replaced (see
+        :func:`~fabric_hsdp.checkpoint.core.boxes.dcp_view`), and the parts to hand to :func:`gather` afterwards.
     """
     from torch.distributed.tensor import DTensor
 

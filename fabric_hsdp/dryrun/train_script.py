@@ -1,0 +1,123 @@
+"""A plain Fabric training script over a model named by its config: what ``fabric-hsdp plan --verify`` and
+``benchmarks/dryrun_scale.py`` dry-run. It is an ordinary user script (it runs under ``fabric-hsdp run`` too).
+
+    python -m fabric_hsdp.dryrun.train_script --model Llama-3-70B --shard_size world --tp 8 --precision bf16-true \
+        --activation_checkpointing --num_nodes 16 --devices 8
+
+``--model``: a litgpt config name (``Llama-3-70B``; litgpt's ``GPT``), a litgpt ``model_config.yaml``, or a
+transformers ``config.json`` (or its directory; built with ``AutoModelForCausalLM.from_config``). Weights start on
+the meta device (``empty_init=True``); ``--init_from`` fills them with ``fabric.load_raw``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def build(model: str) -> tuple[torch.nn.Module, type, int]:
+    """The model (call inside ``fabric.init_module``), its block class and its vocabulary size.
+
+    Raises:
+        ValueError: ``model`` names no config this script can build (a checkpoint holds shapes, not a class).
+    """
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.name.endswith(".json") and path.is_file():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(path))
+        module = AutoModelForCausalLM.from_config(config)
+        layers = next(child for name, child in module.named_modules() if name.endswith("layers"))
+        return module, type(layers[0]), config.vocab_size
+    from litgpt import GPT, Config
+    from litgpt.model import Block
+
+    if path.is_dir() and (path / "model_config.yaml").is_file():
+        path = path / "model_config.yaml"
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        config = Config.from_file(path)
+    elif not path.exists():
+        try:
+            config = Config.from_name(model)
+        except ValueError:
+            raise ValueError(f"--model {model!r}: not a litgpt config name, model_config.yaml or config.json") from None
+    else:
+        raise ValueError(
+            f"--model {model!r}: a dry run builds the model from its config (a litgpt name, model_config.yaml or"
+            " config.json); a checkpoint holds shapes but no model class"
+        )
+    return GPT(config), Block, config.padded_vocab_size
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--shard_size", default="node")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--precision", default="bf16-true")
+    parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--seq_len", type=int, default=16)
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    parser.add_argument("--init_from", default=None)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--num_nodes", type=int, default=1)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--accelerator", default="cuda")
+    parser.add_argument("--steps", type=int, default=10)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import lightning as L
+
+    from fabric_hsdp import HybridFSDPStrategy
+
+    args = parse_args(argv)
+    shard_size = int(args.shard_size) if args.shard_size.isdigit() else args.shard_size
+    with torch.device("meta"):
+        _, block, vocab = build(args.model)  # the block class and vocabulary only: nothing is allocated
+    strategy = HybridFSDPStrategy(
+        sharded_modules={block},
+        shard_size=shard_size,
+        tensor_parallel_size=args.tp,
+        activation_checkpointing={block} if args.activation_checkpointing else None,
+    )
+    fabric = L.Fabric(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        precision=args.precision,
+    )
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model, _, _ = build(args.model)
+    model = fabric.setup_module(model)
+    parameters = model.parameters()
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+    else:
+        optimizer = torch.optim.SGD(parameters, lr=1e-4, momentum=0.9 if args.optimizer == "sgd" else 0.0)
+    optimizer = fabric.setup_optimizers(optimizer)
+    if args.init_from:
+        fabric.load_raw(args.init_from, model)
+    for _ in range(args.steps):
+        tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), device=fabric.device)
+        output = model(tokens[:, :-1])
+        logits = output.logits if hasattr(output, "logits") else output
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    if args.save:
+        fabric.save(args.save, {"model": model, "optimizer": optimizer})
+
+
+if __name__ == "__main__":
+    main()
