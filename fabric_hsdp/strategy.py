@@ -152,7 +152,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             tensor at a time (``.pth`` in Fabric's layout, or ``.safetensors`` for the model alone). A path ending in
             ``.safetensors`` is always saved full.
         async_save: Write sharded checkpoints in the background: ``fabric.save`` returns once every rank has copied
-            its shards to CPU memory (one extra copy of the local shards while the write runs), and training goes on
+            the chunks it writes to CPU memory (about ``1/R`` of its shards with R replicas, in buffers kept across
+            saves, pinned on CUDA; the copies are issued on a side stream there), and training goes on
             while DCP writes them. The checkpoint appears at its path atomically when written everywhere, as with a
             blocking save. The next save or load, ``wait_for_checkpoint()`` and ``teardown()`` wait for it and raise
             its failure on every rank; at interpreter exit a pending save is finished, and a failed one exits with
@@ -163,10 +164,11 @@ class HybridFSDPStrategy(ParallelStrategy):
             time; for files that cannot be memory-mapped) or ``"rank0"`` (only rank 0 reads, tensors are sent out one
             at a time; for a file on one machine only). Override per call with ``strategy.load_raw(...)``.
         load_turn_size: Ranks per node that read at once in ``load_mode="turns"``.
-        split_replica_reads: When loading a sharded checkpoint under HSDP, the R replicas of each shard read 1/R of
-            it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
-            once per replica, and the network carries the other copies. Worth it where the shared filesystem is
-            slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
+        split_replica_reads: When loading under HSDP (a sharded checkpoint, or a raw one in ``load_mode`` ``"slice"``
+            or ``"turns"``), the R replicas of each shard read 1/R of it each and all-gather the rest along
+            ``replicate``: the filesystem serves the checkpoint once instead of once per replica, and the network
+            carries the other copies. Worth it where the shared filesystem is slower than the inter-node network; off
+            by default (on CPU/gloo the gathers are slower than the reads).
         io_timeout: Seconds (or a ``timedelta``) a rank may spend in its own checkpoint reads or writes without
             advancing (64 MiB at a time) before every rank fails with a message naming that rank, its host, the file
             and the bytes it had done; instead of the others waiting in a collective until ``timeout``. Watches
@@ -237,11 +239,11 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
-        self._background = BackgroundSaves(enabled=async_save)
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._split_replica_reads = split_replica_reads
         self._watchdog = IOWatchdog(io_timeout)
+        self._background = BackgroundSaves(enabled=async_save, watchdog=self._watchdog)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -399,6 +401,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 precision=self.precision_name,
                 workload=self._workload,
                 activation_checkpointing=self._activation_checkpointing is not None,
+                activation_checkpointing_mode=self._levers.activation_checkpointing_mode,
                 cpu_offload=self._cpu_offload,
                 reshard_after_forward=self._reshard_after_forward,
                 backend=self._process_group_backend,
@@ -485,8 +488,8 @@ class HybridFSDPStrategy(ParallelStrategy):
                 save_full(path, state)
                 return
             with self._watchdog.watch(f"saving checkpoint '{path}'"):
-                save = save_sharded(path, state, self.broadcast, background_group=self._background.group)
-                self._background.started(save)
+                background = self._background if self._background.enabled else None
+                self._background.started(save_sharded(path, state, self.broadcast, background))
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside
@@ -597,6 +600,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 weights_only=weights_only,
                 local_rank=self.local_rank,
                 ranks_per_node=self.num_processes,
+                split_mesh=self.parallel_mesh if self._split_replica_reads else None,
             )
         if not strict and (result.missing or result.unexpected):
             rank_zero_warn(
