@@ -4,9 +4,9 @@ Run: ``python benchmarks/gpu_check.py`` (all CUDA devices; about 10-30 s per che
 ``torchrun --standalone --nproc-per-node N`` job (N = the devices it needs, all of them by default), so one failure
 cannot spoil the next, and prints::
 
-    PASS  nccl_init          world 2: backend nccl on cuda:0 and cuda:1, all_reduce of 4 MB in 0.21 ms
-    FAIL  cpu_offload        world 2: RuntimeError: No backend type associated with device type cpu
-    SKIP  tensor_parallel    needs >= 2 CUDA devices (1 here)
+    PASS  nccl_init            world 2: backend nccl on cuda:0 and cuda:1, all_reduce of 4 MB in 0.21 ms
+    FAIL  cpu_offload          world 2: RuntimeError: No backend type associated with device type cpu
+    SKIP  tensor_parallel      needs >= 2 CUDA devices (1 here)
 
 The exit status is 1 if a check failed. Without CUDA it says so and exits 0 (``--device cpu`` rehearses the checks
 that also run on CPU, with gloo: a test of this script, not of CUDA).
@@ -298,6 +298,28 @@ def check_cpu_offload(ctx: Context) -> str:
     )
 
 
+def check_fp16_offload_overflow(ctx: Context) -> str:
+    import torch
+
+    fabric = ctx.fabric(precision="16-mixed", cpu_offload=True)
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    inputs, targets = _batch(fabric.device, seed=fabric.global_rank)
+    fabric.backward(_loss(model, inputs, targets))
+    if fabric.global_rank == ctx.devices - 1:  # an overflow in the last rank's gradient shard only (CPU memory)
+        next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("inf")
+    before = [p.to_local().clone() for p in model.parameters()]
+    scale = fabric.strategy.precision.scaler.get_scale()
+    optimizer.step()
+    stepped = any(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+    new_scale = fabric.strategy.precision.scaler.get_scale()
+    assert not stepped, "a rank stepped although another rank's gradients overflowed"
+    assert new_scale == scale / 2, f"scale {scale} -> {new_scale}, expected one back-off"
+    return f"found-inf on CPU shards agreed: step skipped, scale {scale:g} -> {new_scale:g}"
+
+
 def check_tensor_parallel(ctx: Context) -> str:
     import torch
 
@@ -394,6 +416,7 @@ CHECKS = [
     Check("meta_init_raw_load", check_meta_init_raw_load),
     Check("async_save", check_async_save),
     Check("cpu_offload", check_cpu_offload, cuda_only=True),
+    Check("fp16_offload_overflow", check_fp16_offload_overflow, cuda_only=True),
     Check("tensor_parallel", check_tensor_parallel, min_devices=2, devices=2),
     Check("shard_size_auto", check_shard_size_auto, cuda_only=True),
     Check("transformers_init", check_transformers_init),
@@ -453,7 +476,7 @@ def main() -> int:
     for check in CHECKS:
         if args.only is not None and check.name not in args.only:
             continue
-        label = f"{check.name:<20}"
+        label = f"{check.name:<22}"
         if args.device == "cpu" and check.cuda_only:
             print(f"SKIP  {label} needs CUDA")
             continue

@@ -192,7 +192,8 @@ def _killed_saves(tmp_path, points, async_save):
             assert split == EXPECTED_SPLIT[plan], (plan, split)
         details = f"run {run} ({point}, victim {victim}): {result.returncodes}\n" + result.ranks[victim].stderr[-2000:]
         # the victim died where it was told to (a save that raised, or never got there, leaves no marker)
-        assert (out / "killed_at").read_text() == point, details
+        marker = out / "killed_at"
+        assert marker.exists() and marker.read_text() == point, "the victim never reached its kill point; " + details
         assert result.returncodes[victim] == -9, details
         loaded = read_model_tensors(out / "ckpt")  # raises if incomplete or unreadable
         old = torch.load(out / "expected_a.pt", weights_only=True)

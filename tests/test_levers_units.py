@@ -72,6 +72,7 @@ def test_activation_checkpointing_modes_recompute_what_they_say(kind):
     assert selective["mm"] == none["mm"]
 
 
+@pytest.mark.timeout(900)  # inductor + gcc: about a minute on 2 idle cores, several on a loaded machine
 def test_compile_is_per_block_in_place_and_bounded():
     """Inductor (gcc on CPU) compiles each block in place: names unchanged, logits and gradients as eager, and the
     two identical blocks share their graph (dynamo counts one frame per block and one graph in all)."""

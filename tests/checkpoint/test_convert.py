@@ -26,6 +26,11 @@ def test_output_format_from_name_or_to():
         "dcp",
     ]
     assert output_format("out", "safetensors") == "safetensors"
+    # a name that promises a file of another kind is refused, not silently made a DCP directory
+    for name in ("x.zip", "model.gguf", "w.npz"):
+        with pytest.raises(ValueError, match=rf"'{name}': fabric-hsdp does not write \.\w+ files\. Name it"):
+            output_format(name)
+    assert output_format("x.zip", "dcp") == "dcp" and output_format("llama-v1.5") == "dcp"
     with pytest.raises(ValueError, match="to='zip' is not one of dcp, torch, safetensors"):
         output_format("out", "zip")
 

@@ -24,9 +24,7 @@ PLANTS: dict[str, Plant] = {
         "read_local skips every embedding shard whose rows start past 0 (ranks 1 and 3 keep their init)",
         (
             (
-                "    for piece in stored_pieces(target, fused):\n"
                 "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
-                "    for piece in stored_pieces(target, fused):\n"
                 "        if 'embed' in name and piece.offsets[0] > 0:\n"
                 "            continue\n"
                 "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
@@ -164,7 +162,7 @@ PLANTS: dict[str, Plant] = {
     "10c": Plant(
         "timeout and process_group_backend in a launched run",
         "the strategy's timeout never reaches the default process group",
-        (("            timeout=self._timeout,\n", ""),),
+        (("            timeout=self._timeout,\n", "            timeout=default_pg_timeout,\n"),),
         ("tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",),
     ),
     "10d": Plant(

@@ -72,10 +72,15 @@ def run(number: str) -> str:
         env = dict(os.environ, **dict(plant.env))
         result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
         seconds = time.monotonic() - started
-        failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "E "))]
+        lines = result.stdout.splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED", "E "))]
+        # a launched rank's own error (the last line of its traceback), when the launch itself failed
+        failed += [
+            line for line in lines if line.startswith("E ") and "Error:" in line and "launch failed" not in line
+        ][-2:]
         verdict = {0: "MISSED", 1: "caught"}.get(result.returncode, "ERROR")
         print(f"  -> {verdict} (pytest exit {result.returncode}, {seconds:.0f} s)")
-        for line in failed[:6]:
+        for line in failed[:6] + failed[-2:]:
             print(f"     {line[:300]}")
         if verdict == "ERROR":
             print(result.stdout[-3000:], result.stderr[-3000:])

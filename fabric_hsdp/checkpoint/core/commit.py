@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import logging
 import os
 import shutil
@@ -30,6 +31,8 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _STAGING = ".saving-"
 _PREVIOUS = ".previous-"
+_OUTPUT_STAGING = ".tmp-"  # atomic_output's: .NAME.tmp-<id>/NAME
+_OWNER = ".owner"
 
 
 def staging_path(path: Path) -> Path:
@@ -159,6 +162,54 @@ def fsync_tree(path: Path) -> None:
         fsync_path(Path(root))
 
 
+def remove_stale_outputs(dest: Path) -> list[Path]:
+    """Delete the staging of earlier writes of ``dest`` that were killed (``kill -9``, a node lost); return them.
+
+    A staging directory whose writer still runs on this host (its ``.owner`` names a live process), or was started on
+    another host (which this one cannot check), is left alone and reported.
+    """
+    if not dest.parent.is_dir():
+        return []
+    removed = []
+    for stale in sorted(dest.parent.glob(f".{glob.escape(dest.name)}{_OUTPUT_STAGING}*")):
+        owner = _owner(stale)
+        if owner is not None:
+            _logger.warning(
+                "'%s' is being written by %s (staging '%s'); if that write is over, remove the staging",
+                dest,
+                owner,
+                stale,
+            )
+            continue
+        size = sum(f.stat().st_size for f in stale.rglob("*") if f.is_file() and not f.is_symlink())
+        _logger.info("removing '%s' (%s), left by an interrupted write of '%s'", stale, _size(size), dest)
+        remove_path(stale)
+        removed.append(stale)
+    return removed
+
+
+def _owner(staging: Path) -> str | None:
+    """Who may still write ``staging`` (``"process N on this host"``, ``"a process on host H"``), else None."""
+    try:
+        host, pid = (staging / _OWNER).read_text().split()
+        if host != socket.gethostname():
+            return f"process {pid} on host {host}"
+        if int(pid) == os.getpid():
+            return None
+        os.kill(int(pid), 0)
+    except PermissionError:  # alive, another user's
+        return f"process {pid} on this host"
+    except (OSError, ValueError):  # no owner file (or unreadable), or the process is gone
+        return None
+    return f"process {pid} on this host"
+
+
+def _size(count: int) -> str:
+    from fabric_hsdp.units import format_binary_bytes
+
+    return format_binary_bytes(count)
+
+
 @contextmanager
 def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path to write ``dest`` at (a file or a directory); it becomes ``dest`` only on success.
@@ -180,7 +231,8 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
     parent = dest.parent
     if not parent.is_dir():
         raise FileNotFoundError(f"cannot write '{dest}': directory '{parent}' does not exist")
-    staging = parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
+    remove_stale_outputs(dest)
+    staging = parent / f".{dest.name}{_OUTPUT_STAGING}{uuid.uuid4().hex[:12]}"
     try:
         staging.mkdir()
     except PermissionError as error:
@@ -189,7 +241,11 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
             f"cannot write '{dest}': directory '{parent}' is not writable ({error.strerror}); choose another"
             " destination or change the directory's permissions",
         ) from None
+    except BaseException:  # a signal handled as the mkdir returned: the directory may exist already
+        remove_path(staging)
+        raise
     try:
+        (staging / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")  # who writes it, for the next writer
         try:
             yield staging / dest.name
         except OSError as error:

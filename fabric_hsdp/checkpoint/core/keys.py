@@ -234,7 +234,41 @@ def format_key_errors(
         parts.append(f"In '{source_name}', {shown}{_more(len(mismatched) - _SHOWN, 'shape mismatches')}.")
     if not parts:
         return None
+    other = other_naming(match.missing, match.unexpected)
+    if other is not None:
+        return " ".join([*parts, other])  # skipping or renaming by prefix would train from random weights
     rule = suggest_prefix_rule(match.missing, match.unexpected)
     if rule:
         hint = f"{hint} The names differ by a prefix: key_map={rule!r} would rename them."
     return " ".join([*parts, hint])
+
+
+# how each project names a Llama's layers; a checkpoint of one loaded into a model of the other matches nothing useful
+_NAMINGS = {
+    "litgpt": ("transformer.h.", "transformer.wte."),
+    "transformers": ("model.layers.", "model.embed_tokens."),
+}
+_CONVERT = {
+    ("litgpt", "transformers"): (
+        "convert it to litgpt's layout with `litgpt convert_to_litgpt` (its convert_hf_checkpoint), or build the"
+        " transformers model (AutoModelForCausalLM.from_config) instead"
+    ),
+    ("transformers", "litgpt"): (
+        "convert it with `litgpt convert_from_litgpt` (its convert_lit_checkpoint), or build litgpt's GPT instead"
+    ),
+}
+
+
+def other_naming(missing: list[str], unexpected: list[str]) -> str | None:
+    """When the model uses one project's names and the checkpoint the other's (litgpt vs transformers), what to do."""
+    for model_side, checkpoint_side in _CONVERT:
+        model_prefixes, checkpoint_prefixes = _NAMINGS[model_side], _NAMINGS[checkpoint_side]
+        if any(key.startswith(model_prefixes) for key in missing) and any(
+            key.startswith(checkpoint_prefixes) for key in unexpected
+        ):
+            return (
+                f"The model uses {model_side}'s parameter names and the checkpoint {checkpoint_side}'s (their q/k/v"
+                f" and MLP weights are also laid out differently, so no key_map fixes it, and strict=False would"
+                f" train from random weights): {_CONVERT[(model_side, checkpoint_side)]}."
+            )
+    return None

@@ -32,6 +32,8 @@ from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
 from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.training.staging import Staged, Stager
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import SaveError
 
@@ -45,9 +47,11 @@ class BackgroundSaves:
     ``group`` is ``None`` (saves block).
     """
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, watchdog: IOWatchdog | None = None) -> None:
         self.enabled = enabled
         self.group: Any = None  # gloo group for DCP's collectives while saving in the background
+        self.stager = Stager()  # the staging buffers, kept from one save to the next
+        self._watchdog = watchdog
         self._pending: BackgroundSave | None = None
 
     def set_up(self, timeout: Any) -> None:
@@ -83,15 +87,22 @@ class BackgroundSaves:
             return True
         return False
 
+    def start(self, copies: Staged, staged: Path, path: Path, started: float) -> BackgroundSave:
+        """Start writing ``copies`` (from :attr:`stager`) to ``staged`` in a thread; commit it to ``path`` after."""
+        watch = self._watchdog.start(f"saving checkpoint '{path}' in the background") if self._watchdog else None
+        return start(copies.state, staged, path, self.group, started, ready=copies.ready, watch=watch)
+
     def close(self) -> None:
         self.group = None
+        self.stager.close()
 
 
 class BackgroundSave:
     """One save in flight: DCP's upload future, and the commit rank 0 runs when it has finished on every rank."""
 
-    def __init__(self, future: Future, staged: Path, path: Path, started: float) -> None:
+    def __init__(self, future: Future, staged: Path, path: Path, started: float, watch: Any = None) -> None:
         self.path = path
+        self._watch = watch  # the I/O watchdog's watch over this save's writes, stopped when it ends
         self._staged = staged
         self._started = started
         self._rank = dist.get_rank()
@@ -110,6 +121,8 @@ class BackgroundSave:
             if self._rank == 0:
                 commit.discard(self._staged)  # the previous checkpoint is untouched
         finally:
+            if self._watch is not None:
+                self._watch.stop()
             self._done.set()
 
     def wait(self, *, together: bool = True) -> None:
@@ -127,18 +140,29 @@ class BackgroundSave:
             self.wait(together=False)
 
 
-def start(copies: dict[str, Any], staged: Path, path: Path, group: Any, started: float) -> BackgroundSave:
-    """Start writing ``copies`` (from :func:`copy_to_cpu`) to ``staged`` in a thread; commit it to ``path`` after."""
+def start(
+    copies: dict[str, Any],
+    staged: Path,
+    path: Path,
+    group: Any,
+    started: float,
+    ready: Any = None,
+    watch: Any = None,
+) -> BackgroundSave:
+    """Start writing ``copies`` (staged CPU copies) to ``staged`` in a thread; commit it to ``path`` after.
+
+    ``ready``: called in the writing thread before the copies are read (the staging's CUDA event).
+    """
     import torch.distributed.checkpoint as dcp
 
     future = dcp.async_save(
         copies,
-        storage_writer=DirectWriter(staged),
+        storage_writer=DirectWriter(staged, before_write=ready),
         planner=SavePlanner(),
         process_group=group,
         async_stager=_AlreadyStaged(),
     )
-    return BackgroundSave(future, staged, path, started)
+    return BackgroundSave(future, staged, path, started, watch)
 
 
 def copy_to_cpu(value: Any) -> Any:

@@ -35,6 +35,7 @@ from fabric_hsdp.checkpoint.core.progress import Progress
 from fabric_hsdp.checkpoint.core.tree import read_lazy
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
+from fabric_hsdp.checkpoint.training import replica_split
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
@@ -76,8 +77,15 @@ def copy_local_part(full: torch.Tensor, target: torch.Tensor, fused: FusedRows |
     local.copy_((full[local_box(target)] if full.dim() else full).view(local.shape))
 
 
-def read_local(source: CheckpointSource, name: str, target: torch.Tensor, fused: FusedRows | None) -> None:
-    """Fill ``target``'s local shard from tensor ``name`` of ``source``, reading only the elements it holds.
+def read_local(
+    source: CheckpointSource,
+    name: str,
+    target: torch.Tensor,
+    fused: FusedRows | None,
+    rows: tuple[int, int] | None = None,
+) -> None:
+    """Fill ``target``'s local shard (its local ``rows`` only, when given) from tensor ``name`` of ``source``,
+    reading only the elements it holds.
 
     A shard is one box of the stored tensor, or several when tensor parallelism regrouped its rows (``fused``).
     """
@@ -87,7 +95,7 @@ def read_local(source: CheckpointSource, name: str, target: torch.Tensor, fused:
     if local.ndim == 0:
         local.copy_(source.read(name))
         return
-    for piece in stored_pieces(target, fused):
+    for piece in stored_pieces(target, fused, rows):
         sizes = [piece.stop - piece.start, *local.shape[1:]]
         index = tuple(slice(offset, offset + size) for offset, size in zip(piece.offsets, sizes))
         rows = local[piece.start : piece.stop]
@@ -160,6 +168,8 @@ class _Load:
     weights_only: bool
     tied: dict[str, str]  # state-dict key -> the first key of the same tied tensor
     fused: dict[str, FusedRows]  # parameters whose rows tensor parallelism regrouped
+    split_mesh: Any = None  # the mesh, when replicas split their reads
+    splits: list[replica_split.Split] = field(default_factory=list)  # parts read, to all-gather after
 
     def plan(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
         return plan_keys(source, self.targets, self.key_map, self.strict, self.tied)
@@ -176,15 +186,25 @@ def load_into_model(
     weights_only: bool = True,
     local_rank: int = 0,
     ranks_per_node: int = 1,
+    split_mesh: Any = None,
 ) -> LoadResult:
-    """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring)."""
+    """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring).
+
+    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`; ``"slice"`` and ``"turns"``),
+    the ``R`` replicas of each shard read ``1/R`` of its rows each and all-gather the rest along ``replicate``
+    (:func:`fabric_hsdp.checkpoint.training.replica_split.raw_part`): the file is read once per replica group, not ``R``
+    times.
+    """
     validate_load_mode(load_mode)
     load = _Load(path, module.state_dict(), strict, key_map, weights_only, tied_names(module), fused_rows_of(module))
+    load.split_mesh = split_mesh
     if load_mode == "rank0":
         return _load_from_rank0(load)
     if load_mode == "slice":
         with fail_together(f"loading '{path}'"):
-            return _load_slices(load)
+            result = _load_slices(load)
+        replica_split.gather(load.splits, split_mesh)
+        return result
     turns = -(-ranks_per_node // max(1, turn_size))
     result = LoadResult()
     for turn in range(turns):
@@ -194,6 +214,7 @@ def load_into_model(
                 # glibc keeps what the reader freed in its heap; hand it back before the next turn starts, or a node
                 # holds two readers' worth at once (measured by benchmarks/load_memory.py).
                 release_freed_memory()
+    replica_split.gather(load.splits, split_mesh)
     return result
 
 
@@ -213,7 +234,9 @@ def _load_slices(load: _Load) -> LoadResult:
         bar = _progress(source, [match.mapping[k] for k in names], f"loading {load.path.name}")
         with bar, torch.no_grad():
             for model_key in names:
-                read_local(source, match.mapping[model_key], load.targets[model_key], load.fused.get(model_key))
+                target = load.targets[model_key]
+                rows = None if load.split_mesh is None else replica_split.raw_part(target, load.split_mesh, load.splits)
+                read_local(source, match.mapping[model_key], target, load.fused.get(model_key), rows)
                 bar.update(source.tensor_info(match.mapping[model_key]).nbytes)
         return LoadResult(names, match.missing, match.unexpected, mismatched)
 

@@ -68,6 +68,22 @@ def replica_parts(
     return view, replaced, splits
 
 
+def raw_part(tensor: torch.Tensor, mesh: ParallelMesh, splits: list[Split]) -> tuple[int, int] | None:
+    """For a raw load: the local rows ``(start, stop)`` of ``tensor`` this replica reads, noted in ``splits`` for
+    :func:`gather`; ``None`` when it reads its whole shard (not replicated, or rows that do not split evenly)."""
+    from torch.distributed.tensor import DTensor
+
+    replicas = mesh.topology.replicate_size
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if not _splits(tensor, local, mesh, replicas):
+        return None
+    rows = local.shape[0] // replicas
+    replica = mesh.device_mesh.get_local_rank("replicate")
+    start, stop = replica * rows, (replica + 1) * rows
+    splits.append(Split(local, local[start:stop]))
+    return start, stop
+
+
 def _splits(tensor: torch.Tensor, local: torch.Tensor, mesh: ParallelMesh, replicas: int) -> bool:
     from torch.distributed.tensor import DTensor
 

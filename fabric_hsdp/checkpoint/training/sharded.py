@@ -35,12 +35,15 @@ from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
 
 
 def save_sharded(
-    path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any], background_group: Any = None
+    path: Path,
+    state: dict[str, Any],
+    broadcast: Callable[[Any], Any],
+    background_saves: background.BackgroundSaves | None = None,
 ) -> background.BackgroundSave | None:
     """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
 
-    With ``background_group`` (a gloo process group for DCP's own collectives) the shards are copied to CPU memory
-    and written from a thread: the returned save is committed when done; ``wait()`` on it raises its failure.
+    With ``background_saves`` the chunks this rank writes are copied to CPU memory (its stager's kept buffers) and
+    written from a thread: the returned save is committed when done; ``wait()`` on it raises its failure.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -60,10 +63,11 @@ def save_sharded(
     try:
         with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
             commit.check_shared(staged / META_FILE, path)
-        if background_group is not None:
+        if background_saves is not None:
+            written = background_saves.stager.plan(tensors, background_saves.group)  # a collective
             with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
-                copies = background.copy_to_cpu(tensors)
-            return background.start(copies, staged, path, background_group, started)
+                copies = background_saves.stager.copy(tensors, written)
+            return background_saves.start(copies, staged, path, started)
         with fail_together(f"saving checkpoint '{path}'"):
             _save_dcp(tensors, staged, path)
         with fail_together(f"committing checkpoint '{path}'"):

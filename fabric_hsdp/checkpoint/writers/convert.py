@@ -78,6 +78,10 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
+_FILE_SUFFIXES = {".zip", ".tar", ".gz", ".tgz", ".xz", ".zst", ".7z", ".npz", ".npy", ".h5", ".hdf5", ".gguf"}
+_FILE_SUFFIXES |= {".onnx", ".pkl", ".pickle", ".json", ".yaml", ".yml", ".msgpack", ".txt", ".pt2"}
+
+
 def output_format(dest: str | os.PathLike, to: str | None = None) -> str:
     """The format written to ``dest``: ``to`` if given, else from the name (torch suffixes, ``.safetensors``, DCP)."""
     if to is not None:
@@ -89,6 +93,12 @@ def output_format(dest: str | os.PathLike, to: str | None = None) -> str:
         return "torch"
     if suffix == ".safetensors":
         return "safetensors"
+    if suffix in _FILE_SUFFIXES:  # a name that promises a file: a DCP directory under it would surprise
+        raise ValueError(
+            f"'{dest}': fabric-hsdp does not write {suffix} files. Name it .pth/.pt/.bin/.ckpt (torch file) or"
+            " .safetensors, or pass to='dcp' (--to dcp) to write a DCP directory under that name (the default for"
+            " other names)"
+        )
     return "dcp"
 
 

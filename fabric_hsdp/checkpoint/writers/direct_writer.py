@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,13 +38,20 @@ class DirectWriter(FileSystemWriter):
         thread_count: Writing threads per rank (DCP's option): each writes its own file. More than one pays where a
             rank's share is large and the filesystem serves parallel streams faster (e.g. NVMe, parallel
             filesystems); on the 2-core test machine one is fastest.
+        before_write: Called in the writing thread before the first byte is read from the state (e.g. waiting for
+            the CUDA copies of :mod:`fabric_hsdp.checkpoint.staging`).
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, thread_count: int = 1, before_write: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
         self.fs = _DirectFileSystem()
+        self._before_write = before_write
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        if self._before_write is not None:
+            self._before_write()  # e.g. wait for the staging copies (staging.Staged.ready)
         with watchdog.doing_io("writing", str(self.path)), _without_crc32():
             return super().write_data(plan, planner)
 
