@@ -45,7 +45,7 @@ def test_levers_train_like_one_process_and_checkpoint_like_plain(nodes, per_node
         assert result["orig_mod_names"] == [] and result["same_names"], (label, result)
         assert result["differ"] == {} and result["optimizer_steps"] == [1], (label, result)
     # under FSDP + TP, activation checkpointing recomputes what its mode says (ops run in one backward, per rank)
-    for rank_facts in values:
+    for rank_facts in values if "recompute" in args else []:
         for kind, counts in rank_facts["recompute"].items():
             none, full, selective, second = (counts[mode] for mode in ("None", "full", "selective", "2"))
             assert none["silu"] == 0 and full["silu"] == selective["silu"] == 2 and second["silu"] == 1, kind
