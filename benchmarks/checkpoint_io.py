@@ -7,7 +7,8 @@ real training step, so ``exp_avg``/``exp_avg_sq`` add 1 GB; 1.51 GB on disk) on 
 * ``ours``: ``HybridFSDPStrategy()`` (shard within a node, replicate across the 2 nodes), default sharded save;
 * ``ours-async``: the same with ``async_save=True``: the save figure is the time ``fabric.save`` blocks (shards
   copied to CPU memory); the time until the checkpoint is committed (``wait_for_checkpoint()``) is printed below the
-  table;
+  table, with the bytes staged (the chunks this rank writes; floor 1/R of its state) and the growth of resident
+  memory during the write, both as fractions of the rank's state;
 * ``ours-split`` (only with ``--variants``): the same with ``split_replica_reads=True``: each replica reads half of
   its shards and all-gathers the other half over gloo;
 * ``lightning``: ``ModelParallelStrategy(parallelize_fn)`` with ``parallelize_fn`` = ``fully_shard`` each layer,
@@ -125,9 +126,15 @@ def save_and_load(variant: str, millions: float, workdir: str, drop_cache: bool,
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     _train_step(fabric, model, optimizer)
     path = Path(workdir) / f"checkpoint-{variant}"
+    resident = _resident_bytes()
     save_seconds, save_cpu, _ = timed(
         fabric, lambda: fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
     )
+    # async_save: what the staged copies added to this rank's memory while the write runs (resident memory can
+    # grow less: the allocator reuses what the training step freed), and the bytes the stager holds
+    extra_bytes = _resident_bytes() - resident
+    stager = getattr(getattr(fabric.strategy, "_background", None), "stager", None)
+    staged_bytes = sum(b.nbytes for b in stager._buffers.values()) if background and stager is not None else 0
     # async_save: fabric.save returned once the shards were copied; the write goes on until committed
     wait_seconds, wait_cpu, _ = timed(fabric, fabric.strategy.wait_for_checkpoint) if background else (0.0, 0.0, None)
     saved_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if fabric.global_rank == 0 else 0
@@ -156,7 +163,17 @@ def save_and_load(variant: str, millions: float, workdir: str, drop_cache: bool,
         "exact": not differ,
         "differ": differ,
         "local_bytes": local_bytes,
+        "extra_bytes": extra_bytes,
+        "staged_bytes": staged_bytes,
     }
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``), in bytes."""
+    import os
+
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,6 +196,8 @@ def _run_variant(variant: str, args: argparse.Namespace, work: Path, timeout: fl
         exact=all(rank["exact"] for rank in ranks),
         differ=sorted({name for rank in ranks for name in rank["differ"]}),
         local_bytes=[rank["local_bytes"] for rank in ranks],
+        extra_fraction=max(rank["extra_bytes"] / rank["local_bytes"] for rank in ranks),
+        staged_fraction=max(rank["staged_bytes"] / rank["local_bytes"] for rank in ranks),
         cpu={phase: sum(rank["cpu"][phase] for rank in ranks) for phase in PHASES},
     )
     return figures
@@ -264,7 +283,9 @@ def _report(runs: list[tuple[str, int, dict[str, Any]]], disk: list[tuple[float,
         if variant == "ours-async":
             print(
                 f"{NAMES[variant]} run {repeat}: fabric.save returned after {figures['save']:.2f} s, the checkpoint"
-                f" was committed after {figures['committed']:.2f} s ({size / figures['committed'] / MB:.0f} MB/s)"
+                f" was committed after {figures['committed']:.2f} s ({size / figures['committed'] / MB:.0f} MB/s);"
+                f" staged copies: {figures['staged_fraction']:.2f} of the rank's state (largest rank; floor 1/R = 0.50"
+                f" at R = 2), resident memory grew by {figures['extra_fraction']:.2f} of it"
             )
     print(f"\n{'CPU s, sum of 4 ranks':<31}{'run':>4}{'save':>8}{'1st load':>10}{'2nd load':>10}{'MB per rank':>13}")
     for variant, repeat, figures in runs:

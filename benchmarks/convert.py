@@ -42,7 +42,7 @@ def _worker(case: str, source: str, dest: str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    from fabric_hsdp.checkpoint.convert import convert_checkpoint
+    from fabric_hsdp.checkpoint.writers.convert import convert_checkpoint
 
     def torch_dcp_to_safetensors(source: str, dest: str) -> None:
         from safetensors.torch import save_file

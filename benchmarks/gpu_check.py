@@ -4,9 +4,9 @@ Run: ``python benchmarks/gpu_check.py`` (all CUDA devices; about 10-30 s per che
 ``torchrun --standalone --nproc-per-node N`` job (N = the devices it needs, all of them by default), so one failure
 cannot spoil the next, and prints::
 
-    PASS  nccl_init          world 2: backend nccl on cuda:0 and cuda:1, all_reduce of 4 MB in 0.21 ms
-    FAIL  cpu_offload        world 2: RuntimeError: No backend type associated with device type cpu
-    SKIP  tensor_parallel    needs >= 2 CUDA devices (1 here)
+    PASS  nccl_init            world 2: backend nccl on cuda:0 and cuda:1, all_reduce of 4 MB in 0.21 ms
+    FAIL  cpu_offload          world 2: RuntimeError: No backend type associated with device type cpu
+    SKIP  tensor_parallel      needs >= 2 CUDA devices (1 here)
 
 The exit status is 1 if a check failed. Without CUDA it says so and exits 0 (``--device cpu`` rehearses the checks
 that also run on CPU, with gloo: a test of this script, not of CUDA).
@@ -200,11 +200,15 @@ def check_bf16_mixed(ctx: Context) -> str:
     losses, step = _steps(fabric, model, optimizer, 4)
     handle.remove()
     assert set(compute) == {torch.bfloat16}, f"forward computed in {set(compute)}, expected bfloat16"
+    inputs, targets = _batch(fabric.device)
+    fabric.backward(_loss(model, inputs, targets))
     grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    assert grads == {torch.float32}, f"sharded gradients reduced into {grads}, expected float32"
+    optimizer.zero_grad()
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0], f"loss did not go down: {losses}"
     return (
-        f"compute bf16, master fp32 (grads {sorted(map(str, grads)) or 'freed'}), loss {losses[0]:.3f} ->"
+        f"compute bf16, master shards and reduced gradients fp32, loss {losses[0]:.3f} ->"
         f" {losses[-1]:.3f}, {1e3 * step:.1f} ms/step"
     )
 
@@ -294,6 +298,28 @@ def check_cpu_offload(ctx: Context) -> str:
     )
 
 
+def check_fp16_offload_overflow(ctx: Context) -> str:
+    import torch
+
+    fabric = ctx.fabric(precision="16-mixed", cpu_offload=True)
+    with fabric.init_module(empty_init=True):
+        model = _tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    inputs, targets = _batch(fabric.device, seed=fabric.global_rank)
+    fabric.backward(_loss(model, inputs, targets))
+    if fabric.global_rank == ctx.devices - 1:  # an overflow in the last rank's gradient shard only (CPU memory)
+        next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("inf")
+    before = [p.to_local().clone() for p in model.parameters()]
+    scale = fabric.strategy.precision.scaler.get_scale()
+    optimizer.step()
+    stepped = any(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+    new_scale = fabric.strategy.precision.scaler.get_scale()
+    assert not stepped, "a rank stepped although another rank's gradients overflowed"
+    assert new_scale == scale / 2, f"scale {scale} -> {new_scale}, expected one back-off"
+    return f"found-inf on CPU shards agreed: step skipped, scale {scale:g} -> {new_scale:g}"
+
+
 def check_tensor_parallel(ctx: Context) -> str:
     import torch
 
@@ -349,15 +375,52 @@ def check_transformers_init(ctx: Context) -> str:
     return f"embedding std {embedding.std().item():.4f}, q_proj std {q_proj.std().item():.4f} (0.02), padding row 0"
 
 
+def check_float8(ctx: Context) -> str:
+    """float8=True (torchao rowwise) under bf16-mixed: the eligible linears converted, the loss finite and falling;
+    on a GPU below SM 8.9 (or without torchao) the strategy must refuse at construction, which is the pass."""
+    import torch
+
+    from examples.tiny_llama import Block, Llama, LlamaConfig
+    from fabric_hsdp.float8 import float8_unsupported_reason
+
+    reason = float8_unsupported_reason()
+    if reason is not None:
+        try:
+            ctx.fabric(precision="bf16-mixed", float8=True)
+        except RuntimeError as error:
+            assert reason in str(error), str(error)
+            return f"refused at construction, as it must here: {reason}"
+        raise AssertionError(f"float8=True was accepted although {reason}")
+    from torchao.float8.float8_linear import Float8Linear
+
+    fabric = ctx.fabric(precision="bf16-mixed", float8=True, sharded_modules={Block})
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = Llama(LlamaConfig(vocab_size=256, dim=256, n_layers=2, n_heads=4, hidden_dim=512, max_seq_len=SEQ))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    converted = [name for name, module in model.module.named_modules() if isinstance(module, Float8Linear)]
+    assert converted and "output" not in converted, converted
+    losses, step = _steps(fabric, model, optimizer, 4)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], f"loss did not go down: {losses}"
+    return (
+        f"{len(converted)} float8 linears (output head kept), loss {losses[0]:.3f} -> {losses[-1]:.3f},"
+        f" {1e3 * step:.1f} ms/step"
+    )
+
+
 CHECKS = [
     Check("nccl_init", check_nccl_init),
     Check("bf16_mixed", check_bf16_mixed),
     Check("meta_init_raw_load", check_meta_init_raw_load),
     Check("async_save", check_async_save),
     Check("cpu_offload", check_cpu_offload, cuda_only=True),
+    Check("fp16_offload_overflow", check_fp16_offload_overflow, cuda_only=True),
     Check("tensor_parallel", check_tensor_parallel, min_devices=2, devices=2),
     Check("shard_size_auto", check_shard_size_auto, cuda_only=True),
     Check("transformers_init", check_transformers_init),
+    Check("float8", check_float8, cuda_only=True),
 ]
 
 
@@ -413,7 +476,7 @@ def main() -> int:
     for check in CHECKS:
         if args.only is not None and check.name not in args.only:
             continue
-        label = f"{check.name:<20}"
+        label = f"{check.name:<22}"
         if args.device == "cpu" and check.cuda_only:
             print(f"SKIP  {label} needs CUDA")
             continue

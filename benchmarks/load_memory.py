@@ -149,7 +149,7 @@ class MemorySampler(threading.Thread):
 def _record_reads(intervals: list[tuple[float, float]]) -> None:
     """Record when this rank reads the file in our slice/turns loader (instrumentation of a private function; for
     the other variants the whole load call counts as the read)."""
-    from fabric_hsdp.checkpoint import loading
+    from fabric_hsdp.checkpoint.training import raw_load as loading
 
     original = loading._load_slices
 
@@ -176,7 +176,7 @@ def _check_against_file(path: str, model: Any) -> list[str]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from fabric_hsdp.checkpoint.loading import local_box
+    from fabric_hsdp.checkpoint.training.raw_load import local_box
 
     expected = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
     wrong = []

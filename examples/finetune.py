@@ -14,8 +14,14 @@ or a JSONL file (one ``{"text": ...}`` per line), tokenized with the checkpoint'
 when the directory has none, and the log says so). Every step logs the loss, tokens/s and peak memory; the validation
 loss is computed before training, every ``--eval_every`` steps and at the end.
 
-Checkpoints are sharded DCP directories ``<out_dir>/checkpoints/step-<N>`` (every rank writes its own shards); started
-again with the same ``--out_dir`` the job resumes from the newest one, on any number of nodes. At the end the model is
+Checkpoints are sharded DCP directories ``<out_dir>/checkpoints/step-<N>`` (every rank writes its own shards), with
+``<out_dir>/checkpoints/latest`` pointing at the newest (replaced atomically); ``--keep_last k`` keeps the newest k.
+Started again with the same ``--out_dir`` the job resumes from the newest *complete* one (an incomplete one is
+skipped, the reason logged), on any number of nodes, or from ``--resume PATH``. When the data-parallel size differs
+from the saved run's, the gradient accumulation is adjusted to keep the global batch (or the log says what changed).
+On SLURM's pre-kill signal (``#SBATCH --signal=USR1@90``) or SIGTERM every rank stops at the same step boundary and
+saves; with ``--requeue true`` the job requeues itself (``scontrol requeue``) and the restarted job resumes
+(:mod:`fabric_hsdp.preemption`). At the end the model is
 exported in the source's own format to ``<out_dir>/export``: ``lit_model.pth`` for litgpt, a ``save_pretrained``-style
 safetensors directory for transformers, with the config and tokenizer files of ``--checkpoint_dir`` next to it, and
 each tensor in its dtype in the source checkpoint. ``<out_dir>/export_check.pt`` keeps the fine-tuned model's
@@ -56,8 +62,10 @@ from torch.nn import functional as F
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES.parent))  # `examples.launching` without installing the examples
 
-from examples.launching import devices_and_nodes, latest_checkpoint, launched_by_fabric_cli  # noqa: E402
+from examples.launching import devices_and_nodes, launched_by_fabric_cli  # noqa: E402
+from examples.retention import keep_last, newest_complete, point_latest, why_incomplete  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
+from fabric_hsdp.preemption import Preemption  # noqa: E402
 
 Format = Literal["litgpt", "transformers"]
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".index.json", ".distcp")
@@ -367,12 +375,14 @@ class Parallelism:
         load_mode: How the consolidated checkpoint is read: ``slice`` (each rank reads its own shard), ``turns`` or
             ``rank0`` (docs/loading.md).
         async_save: Write checkpoints in the background while training goes on.
+        tensor_parallel_size: Ranks of one node that split each layer (tensor parallelism; 1: none).
     """
 
     shard_size: Literal["node", "world"] | int = "node"
     activation_checkpointing: bool = False
     load_mode: Literal["slice", "turns", "rank0"] = "slice"
     async_save: bool = False
+    tensor_parallel_size: int = 1
 
 
 def make_strategy(parallel: Parallelism, layers: ModuleListLayers) -> HybridFSDPStrategy:
@@ -388,6 +398,7 @@ def make_strategy(parallel: Parallelism, layers: ModuleListLayers) -> HybridFSDP
         activation_checkpointing=layers if parallel.activation_checkpointing else None,
         load_mode=parallel.load_mode,
         async_save=parallel.async_save,
+        tensor_parallel_size=parallel.tensor_parallel_size,
     )
 
 
@@ -408,7 +419,10 @@ def main(
     log_every: int = 1,
     eval_every: int = 0,
     save_every: int = 10,
-    resume: bool = True,
+    keep_last: int = 0,
+    resume: bool | str = True,
+    requeue: bool = False,
+    grad_accumulation: int = 1,
     export: bool = True,
     export_max_shard_size: str = "5GB",
     parallel: Parallelism = Parallelism(),  # noqa: B008 - jsonargparse copies the default
@@ -439,7 +453,11 @@ def main(
         log_every: Log loss, tokens/s and peak memory every this many steps.
         eval_every: Also compute the validation loss every this many steps (0: before training and at the end only).
         save_every: Save a sharded checkpoint every this many steps (0: only at the end); the last step is always saved.
-        resume: Continue from the newest ``checkpoints/step-<N>`` in ``out_dir`` if there is one.
+        keep_last: Keep only the newest this many checkpoints (0: all).
+        resume: ``true``: continue from the newest complete ``checkpoints/step-<N>`` in ``out_dir`` if there is one;
+            a path: from that checkpoint; ``false``: start from ``checkpoint_dir``'s weights.
+        requeue: On SIGUSR1/SIGTERM, after saving, requeue the SLURM batch job (``scontrol requeue``).
+        grad_accumulation: Micro-batches per optimizer step (global batch = batch_size x data-parallel ranks x this).
         export: At the end, write the model in the source's format to ``out_dir/export`` (see the module docstring).
         export_max_shard_size: Largest safetensors file of a transformers export (larger models get an index).
         parallel: Sharding options (``--parallel.shard_size``, ``--parallel.activation_checkpointing``, ...).
@@ -459,9 +477,10 @@ def main(
     )
     if not launched_by_fabric_cli():
         fabric.launch()  # under `fabric run`, Fabric() has set up the processes and launch() would raise
+    topology = strategy.topology
     fabric.print(
-        f"{fabric.world_size} ranks = {fabric.strategy.num_nodes} node(s) x {strategy.topology.ranks_per_node},"
-        f" mesh (replicate, shard) = {strategy.topology.mesh_shape}, device {fabric.device},"
+        f"{fabric.world_size} ranks = {fabric.strategy.num_nodes} node(s) x {topology.ranks_per_node},"
+        f" mesh ({', '.join(topology.mesh_dim_names)}) = {topology.mesh_shape}, device {fabric.device},"
         f" precision {strategy.precision_name}"
     )
 
@@ -494,13 +513,16 @@ def main(
     optimizer = fabric.setup_optimizers(
         torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
     )
+    data_rank, data_ranks = data_parallel_rank(fabric)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0, "source": str(checkpoint_dir)}
+    state.update(data_parallel_size=data_ranks, global_batch=batch_size * data_ranks * grad_accumulation)
     checkpoints = out_dir / "checkpoints"
-    checkpoint = latest_checkpoint(checkpoints) if resume else None
+    checkpoint = resume_from(fabric, checkpoints, resume)
     if checkpoint is not None:
         begun = time.perf_counter()
         fabric.load(checkpoint, state)
         fabric.print(f"resumed from {checkpoint} (step {state['step']}) in {time.perf_counter() - begun:.2f} s")
+        grad_accumulation = keep_global_batch(fabric, state, batch_size, data_ranks, grad_accumulation)
     else:
         begun = time.perf_counter()
         fabric.load_raw(weights_of(fmt, checkpoint_dir), model)
@@ -520,26 +542,37 @@ def main(
         fabric.print(f"step {step}: val loss {loss:.6f} ({time.perf_counter() - begun:.2f} s)")
         return loss
 
+    saved: list[Path] = []
+
     def save(step: int) -> Path:
         path = checkpoints / f"step-{step:06d}"
         begun = time.perf_counter()
         state["step"] = step
+        if parallel.async_save and saved:
+            strategy.wait_for_checkpoint()  # the previous one is committed: it may become `latest`
+            retain(fabric, checkpoints, saved[-1], keep_last)
         fabric.save(path, state)
+        saved.append(path)
+        if not parallel.async_save:
+            retain(fabric, checkpoints, path, keep_last)
         verb = "saving in the background" if parallel.async_save else "saved"
         fabric.print(f"step {step}: {verb} {path} ({time.perf_counter() - begun:.2f} s)")
         return path
 
     initial_loss = validate(0) if state["step"] == 0 else None
-    data_rank, data_ranks = data_parallel_rank(fabric)
-    tokens_per_step = batch_size * seq_len * data_ranks
+    tokens_per_step = batch_size * seq_len * data_ranks * grad_accumulation
     window_seconds, window_steps = 0.0, 0  # training steps only: saves and validation are timed on their own
+    preemption = Preemption(requeue=requeue)  # while training, SIGUSR1/SIGTERM stop at the next step boundary
     for step in range(state["step"] + 1, max_steps + 1):
         step_started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate * min(1.0, step / warmup_steps) if warmup_steps else learning_rate
-        batch = train_batch(train_tokens, step, data_rank, batch_size, seq_len, seed).to(fabric.device)
-        loss = loss_sum(model, batch) / batch[:, 1:].numel()
-        fabric.backward(loss)
+        for micro in range(grad_accumulation):
+            # the data of a micro-batch depends on its place in the global batch, not on the layout
+            index = (step * grad_accumulation + micro) if grad_accumulation > 1 else step
+            batch = train_batch(train_tokens, index, data_rank, batch_size, seq_len, seed).to(fabric.device)
+            loss = loss_sum(model, batch) / batch[:, 1:].numel()
+            fabric.backward(loss / grad_accumulation)
         if grad_clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=grad_clip)
         optimizer.step()
@@ -558,12 +591,24 @@ def main(
             validate(step)
         if save_every > 0 and step % save_every == 0 and step != max_steps:
             save(step)
+        if step != max_steps and preemption.stop_requested(fabric):  # one all-reduce: every rank stops here
+            if not saved or saved[-1].name != f"step-{step:06d}":
+                save(step)
+            strategy.wait_for_checkpoint()
+            retain(fabric, checkpoints, saved[-1], keep_last)
+            requeued = preemption.requeue(fabric)  # rank 0 runs scontrol and says so
+            if fabric.global_rank == 0:
+                fabric.print(f"stopped at step {step} on a signal; {'requeued' if requeued else 'not requeued'}")
+            preemption.close()
+            return
+    preemption.close()
     state["step"] = max(state["step"], max_steps)
-    final = latest_checkpoint(checkpoints)
-    if final is None or int(final.name.split("-")[1]) < max_steps:
+    final = checkpoints / f"step-{max_steps:06d}"
+    if why_incomplete(final) is not None:
         final = save(max_steps)
     final_loss = validate(max_steps)
     strategy.wait_for_checkpoint()  # a save still in the background: committed here, or its failure raised
+    retain(fabric, checkpoints, final, keep_last)
     fabric.print(f"done: fine-tuned val loss {final_loss:.6f}")
     if export:
         validation = {
@@ -651,6 +696,65 @@ def evaluate(fabric: L.Fabric, model: nn.Module, windows: torch.Tensor, batch_si
     model.train()
     total = fabric.all_reduce(total, reduce_op="sum")  # ranks that share a batch count it alike: the ratio holds
     return (total[0] / total[1]).item()
+
+
+def resume_from(fabric: L.Fabric, checkpoints: Path, resume: bool | str) -> Path | None:
+    """The checkpoint to resume: ``--resume PATH`` (must be complete), the newest complete one, or None.
+
+    Raises:
+        FileNotFoundError: ``--resume PATH`` is not a complete checkpoint (the reason is in the message).
+    """
+    if resume is False or resume in ("false", "False"):
+        return None
+    if resume is not True and resume not in ("true", "True"):
+        path = Path(resume)
+        reason = why_incomplete(path)
+        if reason is not None:
+            raise FileNotFoundError(f"--resume '{path}' is not a checkpoint to resume from: {reason}")
+        return path
+    checkpoint, skipped = newest_complete(checkpoints)
+    for line in skipped:
+        fabric.print(line)
+    return checkpoint
+
+
+def keep_global_batch(
+    fabric: L.Fabric, state: dict[str, Any], batch_size: int, data_ranks: int, accumulate: int
+) -> int:
+    """The gradient accumulation that keeps the saved run's global batch on ``data_ranks`` ranks (or ``accumulate``).
+
+    The global batch is ``batch_size x data-parallel ranks x accumulation``; a new layout (more nodes, tensor
+    parallelism) changes the data-parallel ranks. The log says what changed either way.
+    """
+    saved_ranks, saved_batch = int(state["data_parallel_size"]), int(state["global_batch"])
+    current = batch_size * data_ranks * accumulate
+    if saved_ranks == data_ranks and saved_batch == current:
+        return accumulate
+    if saved_batch % (batch_size * data_ranks) == 0:
+        adjusted = saved_batch // (batch_size * data_ranks)
+        fabric.print(
+            f"data-parallel ranks {saved_ranks} -> {data_ranks}: gradient accumulation {accumulate} -> {adjusted}"
+            f" keeps the global batch of {saved_batch} sequences"
+        )
+        state["data_parallel_size"] = data_ranks
+        return adjusted
+    fabric.print(
+        f"data-parallel ranks {saved_ranks} -> {data_ranks}: the global batch changes from {saved_batch} to"
+        f" {current} sequences ({saved_batch} is no multiple of batch_size {batch_size} x {data_ranks} ranks; pass"
+        " --batch_size and --grad_accumulation that multiply to it)"
+    )
+    state["data_parallel_size"], state["global_batch"] = data_ranks, current
+    return accumulate
+
+
+def retain(fabric: L.Fabric, checkpoints: Path, newest: Path, count: int) -> None:
+    """Rank 0: point ``latest`` at ``newest`` and delete all but the newest ``count`` (after every rank saved)."""
+    fabric.barrier()
+    if fabric.global_rank == 0:
+        point_latest(checkpoints, newest)
+        for removed in keep_last(checkpoints, count):
+            fabric.print(f"removed {removed} (--keep_last {count})")
+    fabric.barrier()
 
 
 def data_parallel_rank(fabric: L.Fabric) -> tuple[int, int]:

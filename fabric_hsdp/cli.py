@@ -1,7 +1,8 @@
 """The ``fabric-hsdp`` command: argument parsing and error reporting; the work is in ``fabric_hsdp.checkpoint``.
 
 Exit codes: 0 success, 1 failure while working (e.g. disk full), 2 bad input (missing file, not a checkpoint,
-truncated file, existing output without ``--overwrite``, bad arguments), 130 interrupted (Ctrl-C).
+truncated file, existing output without ``--overwrite``, bad arguments), 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM: ``scancel``, a time limit); interrupted or terminated, nothing is left at the destination.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 _BAD_INPUT = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
 _CONVERT_HELP = """Convert a checkpoint, one tensor at a time; DEST appears only once complete.
@@ -127,7 +130,7 @@ def _run(command: str, args: Any) -> None:
         from fabric_hsdp.planning.command import run_plan
 
         return run_plan(args)
-    from fabric_hsdp.checkpoint.convert import convert_checkpoint, inspect_checkpoint
+    from fabric_hsdp.checkpoint.writers.convert import convert_checkpoint, inspect_checkpoint
 
     if command == "convert":
         convert_checkpoint(
@@ -188,11 +191,13 @@ def _report_errors(work: Callable[[], None], debug: bool) -> int:
     saved = (logger.handlers[:], logger.level, logger.propagate)
     logger.handlers, logger.propagate = [handler], False
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
+    terminated: list[int] = []
+    previous = _terminate_like_interrupt(terminated)
     try:
         work()
     except KeyboardInterrupt:
         print("fabric-hsdp: interrupted; nothing was written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader of our output went away (`fabric-hsdp inspect x | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -203,6 +208,22 @@ def _report_errors(work: Callable[[], None], debug: bool) -> int:
         print(f"fabric-hsdp: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT if isinstance(error, _BAD_INPUT) else EXIT_FAILURE
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         logger.handlers, logger.propagate = saved[0], saved[2]
         logger.setLevel(saved[1])
     return EXIT_OK
+
+
+def _terminate_like_interrupt(terminated: list[int]) -> Any:
+    """SIGTERM (``scancel``, a job's time limit, ``kill``) unwinds like Ctrl-C, so staging is removed; returns the
+    previous handler (None where signals cannot be set: not the main thread)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None

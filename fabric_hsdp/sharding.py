@@ -1,4 +1,5 @@
-"""Which modules become ``fully_shard`` units, and with what mixed precision, offload and activation checkpointing."""
+"""Which modules become ``fully_shard`` units, and with what mixed precision and offload (``apply_fsdp``, the last
+step of :mod:`fabric_hsdp.parallelize`)."""
 
 from __future__ import annotations
 
@@ -83,46 +84,41 @@ def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> O
 
 @dataclass
 class ShardingPlan:
-    """Everything ``shard_model`` needs besides the model and the mesh."""
+    """Everything ``apply_fsdp`` needs besides the model, its units and the mesh."""
 
     sharded_modules: Callable[[str, nn.Module], bool] | None  # None: the layers of the model's nn.ModuleLists
-    activation_checkpointing: Callable[[str, nn.Module], bool] | None = None
     reshard_after_forward: bool | int | None = None
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
 
 
-def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[str]:
-    """Apply activation checkpointing, then ``fully_shard`` bottom-up on every matching module, then on the root.
-
-    Activation checkpointing uses the composable API, so parameter names (and thus checkpoints) are unchanged.
-
-    Returns:
-        The names of the modules that became their own FSDP unit (the root not included).
+def sharded_units(
+    module: nn.Module, sharded_modules: Callable[[str, nn.Module], bool] | None
+) -> list[tuple[str, nn.Module]]:
+    """The modules that become their own FSDP unit, by name, in model order (the root not included).
 
     Raises:
         ValueError: ``sharded_modules`` matched nothing; the message lists the model's module classes.
     """
-    from torch.distributed._composable import checkpoint
-    from torch.distributed.fsdp import fully_shard
-
     named = [(name, child) for name, child in module.named_modules() if name]
-    matcher = plan.sharded_modules or _module_list_layers(module)
+    matcher = sharded_modules or _module_list_layers(module)
     units = [(name, child) for name, child in named if matcher(name, child)]
-    if plan.sharded_modules is None and units:
+    if sharded_modules is None and units:
         info_on_rank_zero(_logger, "sharding %d layers (%s) one unit each", len(units), _class_names(units))
     if not units:
-        what = "sharded_modules=..." if plan.sharded_modules else "sharded_modules=None (layers of nn.ModuleLists)"
+        what = "sharded_modules=..." if sharded_modules else "sharded_modules=None (layers of nn.ModuleLists)"
         raise ValueError(
             f"HybridFSDPStrategy({what}) matched no submodule of {type(module).__name__}, so nothing would be sharded"
             f" layer by layer. The model contains: {_class_names(named)}. Pass the transformer block class, e.g."
             " HybridFSDPStrategy(sharded_modules={Block})."
         )
-    if plan.activation_checkpointing is not None:
-        checkpointed = [child for name, child in named if plan.activation_checkpointing(name, child)]
-        for child in checkpointed:
-            checkpoint(child)
-        _disable_kv_cache(module, checkpointed)
+    return units
+
+
+def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: DeviceMesh, plan: ShardingPlan) -> None:
+    """``fully_shard`` every unit bottom-up, then the root, over ``mesh`` (the ``(replicate, shard)`` mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
     if plan.mp_policy is not None:
         kwargs["mp_policy"] = plan.mp_policy
@@ -132,16 +128,6 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list
     for _, child in reversed(units):
         fully_shard(child, **kwargs)
     fully_shard(module, **kwargs)
-    return [name for name, _ in units]
-
-
-def _disable_kv_cache(module: nn.Module, checkpointed: list[nn.Module]) -> None:
-    """Turn off a transformers model's KV cache when layers recompute their forward, as ``gradient_checkpointing``
-    does: the recomputation would append the keys and values to the cache a second time."""
-    config = getattr(module, "config", None)
-    if checkpointed and getattr(config, "use_cache", False):
-        config.use_cache = False
-        info_on_rank_zero(_logger, "activation checkpointing: set %s.config.use_cache=False", type(module).__name__)
 
 
 def _module_list_layers(module: nn.Module) -> Callable[[str, nn.Module], bool]:

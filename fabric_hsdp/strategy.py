@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -30,16 +31,25 @@ from typing_extensions import override
 
 from fabric_hsdp import distributed
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.background import BackgroundSaves
-from fabric_hsdp.checkpoint.full import save_full
-from fabric_hsdp.checkpoint.keys import KeyMapSpec
-from fabric_hsdp.checkpoint.loading import LoadMode, LoadResult, load_into_model, restore_extras, validate_load_mode
-from fabric_hsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded, state_parts
-from fabric_hsdp.checkpoint.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
+from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.training.background import BackgroundSaves
+from fabric_hsdp.checkpoint.training.full_gather import save_full
+from fabric_hsdp.checkpoint.training.raw_load import (
+    LoadMode,
+    LoadResult,
+    load_into_model,
+    restore_extras,
+    validate_load_mode,
+)
+from fabric_hsdp.checkpoint.training.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from fabric_hsdp.checkpoint.training.state import state_parts
+from fabric_hsdp.float8 import validate_float8
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
+from fabric_hsdp.parallelize import Levers, parallelize, validate_activation_checkpointing_mode, validate_compile
 from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
 from fabric_hsdp.planning.memory import Workload
 from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
@@ -53,10 +63,16 @@ from fabric_hsdp.sharding import (
     offload_policy,
     parameter_names,
     repoint_optimizers,
-    shard_model,
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
-from fabric_hsdp.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, validate_plan
+from fabric_hsdp.tensor_parallel import (
+    TensorParallelPlan,
+    finish_tensor_parallel,
+    loss_parallel,
+    module_layout,
+    validate_plan,
+)
+from fabric_hsdp.tensor_parallel import validate_levers as validate_tensor_parallel_levers
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology, validate_shard_size, validate_tensor_parallel_size
 
 _logger = logging.getLogger(__name__)
@@ -104,12 +120,31 @@ class HybridFSDPStrategy(ParallelStrategy):
             ``ParallelStyle``, one of transformers' style names (``"colwise"``, ``"rowwise"``,
             ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"sequence_parallel"``, ...) or
             ``fabric_hsdp.tensor_parallel.FusedColwise``, or a callable ``(model, tensor_mesh) -> None``. Applied
-            before activation checkpointing and ``fully_shard``.
+            before activation checkpointing and ``fully_shard``. Tied weights (an output head sharing the embedding's)
+            stay one parameter: the plan must split all their holders alike (both by vocabulary rows) or none.
+            Tensor-parallel peers get one random state at ``setup_module`` (seed per rank before it, if you do), and
+            draw their own dropout masks inside the split attention/MLP regions.
+        sequence_parallel: With tensor parallelism, keep the activations between the layers split by sequence
+            (norms and residual stream on ``1/T`` of the tokens; torchtitan's Llama plan): less activation memory, the
+            same communication volume. The sequence length must divide by ``T``. For ``"auto"`` and dict plans.
+        loss_parallel: With tensor parallelism, the output head keeps its logits split by vocabulary (a DTensor);
+            compute the loss and its backward inside ``strategy.loss_parallel()`` (see there), which never gathers
+            the vocabulary. For ``"auto"`` and dict plans.
         reshard_after_forward: FSDP2's ``reshard_after_forward``: ``True`` frees gathered parameters after forward
             (least memory), ``False`` keeps them for backward (less communication), an int reshards to that smaller
             group size. ``None`` lets FSDP2 decide (reshard, except for the root).
         activation_checkpointing: Module classes (or a ``(name, module) -> bool`` callable) whose activations are
             recomputed in backward. Uses the composable API, so parameter names stay unchanged.
+        activation_checkpointing_mode: How the modules ``activation_checkpointing`` selects recompute: ``"full"``
+            (default: each keeps only its input), ``"selective"`` (torchtitan's op-level policy: the outputs of
+            matmuls, attention and collectives are kept, the rest recomputed), or an int ``k`` (full recompute of
+            every ``k``-th selected module only).
+        compile: ``True``, or a dict of ``torch.compile`` keyword arguments: each FSDP unit (transformer block) is
+            compiled on its own, in place, after tensor parallelism and activation checkpointing and before
+            ``fully_shard`` (torchtitan's order); parameter and checkpoint names stay unchanged.
+        float8: ``True`` or a torchao recipe name (``"rowwise"``, the default, or ``"tensorwise"``): linear layers
+            compute in float8 (the output head and dims not divisible by 16 excepted). Needs an NVIDIA GPU of
+            compute capability 8.9+ and ``pip install fabric-hsdp[float8]``; refused at construction elsewhere.
         cpu_offload: ``True`` for FSDP2's ``CPUOffloadPolicy()`` (parameters, gradients and optimizer state on CPU), or
             an ``OffloadPolicy`` instance.
         state_dict_type: What ``fabric.save`` writes: ``"sharded"`` (default), a DCP directory written by every rank in
@@ -117,7 +152,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             tensor at a time (``.pth`` in Fabric's layout, or ``.safetensors`` for the model alone). A path ending in
             ``.safetensors`` is always saved full.
         async_save: Write sharded checkpoints in the background: ``fabric.save`` returns once every rank has copied
-            its shards to CPU memory (one extra copy of the local shards while the write runs), and training goes on
+            the chunks it writes to CPU memory (about ``1/R`` of its shards with R replicas, in buffers kept across
+            saves, pinned on CUDA; the copies are issued on a side stream there), and training goes on
             while DCP writes them. The checkpoint appears at its path atomically when written everywhere, as with a
             blocking save. The next save or load, ``wait_for_checkpoint()`` and ``teardown()`` wait for it and raise
             its failure on every rank; at interpreter exit a pending save is finished, and a failed one exits with
@@ -128,10 +164,11 @@ class HybridFSDPStrategy(ParallelStrategy):
             time; for files that cannot be memory-mapped) or ``"rank0"`` (only rank 0 reads, tensors are sent out one
             at a time; for a file on one machine only). Override per call with ``strategy.load_raw(...)``.
         load_turn_size: Ranks per node that read at once in ``load_mode="turns"``.
-        split_replica_reads: When loading a sharded checkpoint under HSDP, the R replicas of each shard read 1/R of
-            it each and all-gather the rest along ``replicate``: the filesystem serves the checkpoint once instead of
-            once per replica, and the network carries the other copies. Worth it where the shared filesystem is
-            slower than the inter-node network; off by default (on CPU/gloo the gathers are slower than the reads).
+        split_replica_reads: When loading under HSDP (a sharded checkpoint, or a raw one in ``load_mode`` ``"slice"``
+            or ``"turns"``), the R replicas of each shard read 1/R of it each and all-gather the rest along
+            ``replicate``: the filesystem serves the checkpoint once instead of once per replica, and the network
+            carries the other copies. Worth it where the shared filesystem is slower than the inter-node network; off
+            by default (on CPU/gloo the gathers are slower than the reads).
         io_timeout: Seconds (or a ``timedelta``) a rank may spend in its own checkpoint reads or writes without
             advancing (64 MiB at a time) before every rank fails with a message naming that rank, its host, the file
             and the bytes it had done; instead of the others waiting in a collective until ``timeout``. Watches
@@ -156,8 +193,13 @@ class HybridFSDPStrategy(ParallelStrategy):
         workload: Workload | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = "auto",
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: ModulePolicy | None = None,
+        activation_checkpointing_mode: Literal["full", "selective"] | int = "full",
+        compile: bool | dict[str, Any] = False,
+        float8: bool | str = False,
         cpu_offload: bool | Any = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         async_save: bool = False,
@@ -181,19 +223,27 @@ class HybridFSDPStrategy(ParallelStrategy):
         )
         self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
         self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
+        self._levers = Levers(
+            tensor_parallel_plan=validate_plan(tensor_parallel_plan),
+            activation_checkpointing=self._activation_checkpointing,
+            activation_checkpointing_mode=validate_activation_checkpointing_mode(activation_checkpointing_mode),
+            compile=validate_compile(compile),
+            float8=validate_float8(float8),
+        )
         self._shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
         self._memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self._workload = workload
         self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
-        self._tensor_parallel_plan = validate_plan(tensor_parallel_plan)
+        validate_tensor_parallel_levers(sequence_parallel, loss_parallel, self._tensor_parallel_size)
+        self._levers.sequence_parallel, self._levers.loss_parallel = sequence_parallel, loss_parallel
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._state_dict_type = _validate_state_dict_type(state_dict_type)
-        self._background = BackgroundSaves(enabled=async_save)
         self._load_mode = validate_load_mode(load_mode)
         self._load_turn_size = load_turn_size
         self._split_replica_reads = split_replica_reads
         self._watchdog = IOWatchdog(io_timeout)
+        self._background = BackgroundSaves(enabled=async_save, watchdog=self._watchdog)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -321,18 +371,19 @@ class HybridFSDPStrategy(ParallelStrategy):
                 )
             plan = ShardingPlan(
                 sharded_modules=self._sharded_modules,
-                activation_checkpointing=self._activation_checkpointing,
                 reshard_after_forward=self._reshard_after_forward,
                 mp_policy=mixed_precision_policy(self.precision_name),
                 offload_policy=offload_policy(self._cpu_offload, self.root_device),
             )
-            mesh = self.parallel_mesh
-            if mesh.tensor is not None:  # tensor parallelism first, then activation checkpointing and fully_shard
-                apply_tensor_parallel(module, self._tensor_parallel_plan, mesh.tensor)
-            shard_model(module, mesh.fsdp, plan)
+            mesh, topology = self.parallel_mesh, self.topology
+            # the sizes tensor-parallel errors may suggest: those dividing a node and the shard group
+            self._levers.largest_tensor_parallel_size = math.gcd(topology.ranks_per_node, topology.shard_size)
+            parallelize(module, mesh, plan, self._levers)  # float8 -> TP -> AC -> compile -> fully_shard
         # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
         materialize_local_shards(module, self.root_device, self.topology.position_in_copy(self.global_rank))
         make_replicas_identical(module, mesh)
+        if mesh.tensor is not None:
+            finish_tensor_parallel(module, self._levers.tensor_parallel, mesh.tensor, self.root_device)
         self._sharded.add(module)
         return module
 
@@ -346,13 +397,16 @@ class HybridFSDPStrategy(ParallelStrategy):
                 num_nodes=self.num_nodes,
                 ranks_per_node=self.num_processes,
                 tensor_parallel_size=self._tensor_parallel_size,
-                tensor_parallel_plan=self._tensor_parallel_plan,
+                tensor_parallel_plan=self._levers.tensor_parallel_plan,
                 precision=self.precision_name,
                 workload=self._workload,
                 activation_checkpointing=self._activation_checkpointing is not None,
+                activation_checkpointing_mode=self._levers.activation_checkpointing_mode,
                 cpu_offload=self._cpu_offload,
                 reshard_after_forward=self._reshard_after_forward,
                 backend=self._process_group_backend,
+                sequence_parallel=self._levers.sequence_parallel,
+                loss_parallel=self._levers.loss_parallel,
             )
         self._mesh = self._topology.build_mesh(self.root_device.type)
         info_on_rank_zero(_logger, "%s", describe_choice(plan))
@@ -429,11 +483,13 @@ class HybridFSDPStrategy(ParallelStrategy):
             raise NotImplementedError(f"{type(self).__name__} does not support `filter=` when saving.")
         self.wait_for_checkpoint()
         path = Path(self.broadcast(Path(path).absolute()))
-        if self._state_dict_type == "full" or path.suffix == ".safetensors":
-            save_full(path, state)
-            return
-        with self._watchdog.watch(f"saving checkpoint '{path}'"):
-            self._background.started(save_sharded(path, state, self.broadcast, background_group=self._background.group))
+        with module_layout():  # the checkpoint code maps tensor parallelism's regrouped rows itself
+            if self._state_dict_type == "full" or path.suffix == ".safetensors":
+                save_full(path, state)
+                return
+            with self._watchdog.watch(f"saving checkpoint '{path}'"):
+                background = self._background if self._background.enabled else None
+                self._background.started(save_sharded(path, state, self.broadcast, background))
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside
@@ -443,7 +499,22 @@ class HybridFSDPStrategy(ParallelStrategy):
         parallelism). Call it on every rank.
         """
         self.wait_for_checkpoint()
-        save_full(Path(self.broadcast(Path(path).absolute())), _unwrap_objects(state))
+        with module_layout():
+            save_full(Path(self.broadcast(Path(path).absolute())), _unwrap_objects(state))
+
+    def loss_parallel(self) -> AbstractContextManager:
+        """The context to compute the loss and run its backward in, for ``loss_parallel=True``'s split logits.
+
+        ``F.cross_entropy`` works on each rank's ``1/T`` of the vocabulary (torch's ``loss_parallel()``); without
+        ``loss_parallel=True`` it does nothing, so one loop serves both::
+
+            with fabric.strategy.loss_parallel():
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+                fabric.backward(loss)
+
+        The loss is a replicated DTensor: ``.item()`` as usual, ``.full_tensor()`` to add it to plain tensors.
+        """
+        return loss_parallel(self._levers.loss_parallel)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.
@@ -483,12 +554,13 @@ class HybridFSDPStrategy(ParallelStrategy):
         model_key, model, optimizers, plain = state_parts(state)
         if is_sharded_checkpoint(path, model_key, weights_only=weights_only is not False):
             split_mesh = self.parallel_mesh if self._split_replica_reads else None
-            with self._watchdog.watch(f"loading checkpoint '{path}'"):
+            with module_layout(), self._watchdog.watch(f"loading checkpoint '{path}'"):
                 return load_sharded(path, state, strict=strict, weights_only=weights_only, split_mesh=split_mesh)
         self.load_raw(path, model, strict=strict, weights_only=weights_only is not False)
-        requested, remainder = restore_extras(
-            path, model, optimizers, set(plain), strict=strict, weights_only=weights_only is not False
-        )
+        with module_layout():
+            requested, remainder = restore_extras(
+                path, model, optimizers, set(plain), strict=strict, weights_only=weights_only is not False
+            )
         _move_state_into(source=requested, destination=state, keys=set(requested))
         return remainder
 
@@ -517,7 +589,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         """
         self.wait_for_checkpoint()
         path = Path(path)
-        with self._watchdog.watch(f"loading '{path}'"):
+        with module_layout(), self._watchdog.watch(f"loading '{path}'"):
             result = load_into_model(
                 path,
                 getattr(module, "module", module),
@@ -528,6 +600,7 @@ class HybridFSDPStrategy(ParallelStrategy):
                 weights_only=weights_only,
                 local_rank=self.local_rank,
                 ranks_per_node=self.num_processes,
+                split_mesh=self.parallel_mesh if self._split_replica_reads else None,
             )
         if not strict and (result.missing or result.unexpected):
             rank_zero_warn(

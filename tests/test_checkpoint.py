@@ -1,5 +1,6 @@
 """Sharded (DCP) and full checkpoints of HybridFSDPStrategy on simulated nodes, in real processes."""
 
+import json
 import subprocess
 import sys
 
@@ -129,8 +130,9 @@ def test_full_checkpoint_from_rank0(tmp_path, name):
         model = saved["model"]
         for fqn, entries in expected["optimizer"].items():
             assert torch.equal(saved["optimizer"]["state"][fqn]["exp_avg_sq"], entries["exp_avg_sq"])
-        # the Fabric layout loads back with optimizer and plain values, on another topology
-        facts = launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path), "name": name}, num_nodes=1).check()
+        # the Fabric layout loads back with optimizer and plain values, with replicas (2 x 2, split reads)
+        args = {"out": str(tmp_path), "name": name, "split_replica_reads": True}
+        facts = launch("tests.scenarios.checkpoints:load", args).check()
         for value in facts.values:
             _assert_exact(value)
             assert value["remainder"] == {"note": "hi"}
@@ -149,38 +151,71 @@ def test_safetensors_refuses_optimizer_state(tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
-def _killed_saves(tmp_path, runs, async_save):
+_LAYERS = [f"layers.{i}" for i in range(2)]
+EXPECTED_SPLIT = {  # parameters tensor parallelism splits under each plan of tests.scenarios.checkpoints
+    "auto": sorted(
+        ["tok_embeddings.weight", "output.weight"]
+        + [f"{layer}.{block}.weight" for layer in _LAYERS for block in
+           ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    ),
+    "dict": sorted(
+        ["output.weight"] + [f"{layer}.feed_forward.{w}.weight" for layer in _LAYERS for w in ("w1", "w2", "w3")]
+    ),
+    "callable": sorted(f"{layer}.feed_forward.{w}.weight" for layer in _LAYERS for w in ("w1", "w2", "w3")),
+}  # fmt: skip
+
+
+def _killed_saves(tmp_path, points, async_save):
+    """One launch per kill point (``save_then_killed``): where the kill landed decides what must be at the path."""
     from tests.helpers.dcp_read import read_model_tensors
+    from tests.scenarios.checkpoints import KILL_POINTS
 
     outcomes = []
-    for run in range(runs):
+    for run, point in enumerate(points):
         out = tmp_path / f"run{run}"
         out.mkdir()
+        victim = 0 if point == "after_commit" else (run * 3 + 1) % 4  # only rank 0 commits
+        # every other run under tensor parallelism (mesh (2, 1, 2)): the same commit must hold there, with each kind
+        # of plan in turn (the model's own, a dict, a callable)
+        plan = ["auto", "dict", "callable"][run // 2 % 3]
         result = launch(
             "tests.scenarios.checkpoints:save_then_killed",
-            # every other run under tensor parallelism (mesh (2, 1, 2)): the same commit must hold there
-            {"out": str(out), "seed": run, "async_save": async_save, "tensor_parallel_size": 1 + run % 2},
-            timeout=120,
+            {"out": str(out), "point": point, "victim": victim, "async_save": async_save,
+             "tensor_parallel_size": 1 + run % 2, "tensor_parallel_plan": plan},
+            timeout=60,
             fail_grace=5,
-        )
+        )  # fmt: skip
         assert not result.timed_out
+        if run % 2:  # the plan took effect: the parameters it splits are on the 3-D mesh, the others are not
+            split = json.loads((out / "split.json").read_text())
+            assert split == EXPECTED_SPLIT[plan], (plan, split)
+        details = f"run {run} ({point}, victim {victim}): {result.returncodes}\n" + result.ranks[victim].stderr[-2000:]
+        # the victim died where it was told to (a save that raised, or never got there, leaves no marker)
+        marker = out / "killed_at"
+        assert marker.exists() and marker.read_text() == point, "the victim never reached its kill point; " + details
+        assert result.returncodes[victim] == -9, details
         loaded = read_model_tensors(out / "ckpt")  # raises if incomplete or unreadable
         old = torch.load(out / "expected_a.pt", weights_only=True)
         new = torch.load(out / "expected_b.pt", weights_only=True)
         is_old = all(torch.equal(loaded[k], v) for k, v in old.items())
         is_new = all(torch.equal(loaded[k], v) for k, v in new.items())
-        assert is_old != is_new, f"run {run}: neither the old nor the new checkpoint"
-        outcomes.append("new" if is_new else "old")
+        outcome = "new" if is_new and not is_old else "old" if is_old and not is_new else "neither"
+        assert outcome == KILL_POINTS[point], details + f"\noutcome {outcome}"
+        outcomes.append((point, outcome))
         assert not [p for p in out.iterdir() if p.name.startswith(".ckpt.previous-")]
     print("outcomes:", outcomes)
 
 
+@pytest.mark.timeout(10 * 60 + 30)  # 10 launches of 60 s at most
 def test_killed_saves_leave_old_or_new_checkpoint(tmp_path):
-    _killed_saves(tmp_path, runs=10, async_save=False)
+    from tests.scenarios.checkpoints import KILL_POINTS
+
+    _killed_saves(tmp_path, points=2 * list(KILL_POINTS), async_save=False)  # each point with and without TP
 
 
 def test_killed_background_saves_leave_old_or_new_checkpoint(tmp_path):
-    _killed_saves(tmp_path, runs=3, async_save=True)
+    _killed_saves(tmp_path, points=["mid_write", "after_commit", "after_save"], async_save=True)
 
 
 def test_background_save_holds_the_state_at_save_time_and_finishes_when_the_script_ends(tmp_path):
@@ -202,7 +237,8 @@ def test_one_rank_failing_to_write_fails_all_and_keeps_previous(tmp_path, async_
     )
     values = result.check().values
     for facts in values:
-        assert facts["error"] is not None and facts["seconds"] < 60
+        # every rank returned the error (a rank left waiting in DCP's collective would time the launch out)
+        assert facts["error"] is not None
         assert f"'{tmp_path / 'ckpt'}'" in facts["error"]
         assert "rank 2: PermissionError" in facts["error"], facts["error"]
     from tests.helpers.dcp_read import read_model_tensors
@@ -233,7 +269,7 @@ def test_background_save_failing_after_the_script_ended_exits_1(tmp_path):
 
 
 def test_save_path_must_be_given_state_with_a_model(tmp_path):
-    from fabric_hsdp.checkpoint.sharded import state_parts
+    from fabric_hsdp.checkpoint.training.state import state_parts
 
     with pytest.raises(ValueError, match="exactly one model set up with fabric.setup_module; found no model"):
         state_parts({"model": torch.nn.Linear(2, 2), "step": 1})

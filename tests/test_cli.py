@@ -2,6 +2,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -163,17 +164,25 @@ def test_disk_full_exits_1_and_leaves_nothing(tmp_path, tiny_disk, capsys, dest_
     assert tree(tiny_disk) == []
 
 
-@pytest.mark.parametrize("dest", ["out", "out.pth", "out.safetensors"])
-@pytest.mark.parametrize("slowed", ["reading", "writing"])
-def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path, dest, slowed):
+@pytest.mark.parametrize(
+    ("dest", "slowed", "sent"),
+    [
+        (dest, slowed, signal.SIGINT)
+        for dest in ("out", "out.pth", "out.safetensors")
+        for slowed in ("reading", "writing")
+    ]
+    # SIGTERM: what scancel and a job's time limit send
+    + [(dest, "writing", signal.SIGTERM) for dest in ("out", "out.pth", "out.safetensors")],
+)
+def test_sigint_or_sigterm_mid_conversion_exits_130_or_143_and_leaves_nothing(tmp_path, dest, slowed, sent):
     torch.save({f"w{i}": torch.ones(2 << 20) for i in range(8)}, tmp_path / "big.pth")  # 64 MiB
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
     # each tensor read (or each 16 MiB written) takes 0.5 s longer, so the interrupt lands there even when the
     # machine is idle: inside torch's zip writer for "writing" to a DCP directory or a torch file
     patch = {
-        "reading": "from fabric_hsdp.checkpoint.source import LazyTensor as C; slow = C.read;"
+        "reading": "from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor as C; slow = C.read;"
         " C.read = lambda self, out=None: (time.sleep(0.5), slow(self, out))[1];",
-        "writing": "from fabric_hsdp.checkpoint.fileio import DirectFileWriter as C; slow = C._write_all;"
+        "writing": "from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter as C; slow = C._write_all;"
         " C._write_all = lambda self, view: (time.sleep(0.5), slow(self, view))[1];",
     }[slowed]
     slowed = f"import sys, time; from fabric_hsdp import cli; {patch} sys.exit(cli.main(sys.argv[1:]))"
@@ -189,11 +198,31 @@ def test_sigint_mid_conversion_exits_130_and_leaves_nothing(tmp_path, dest, slow
     while not list(tmp_path.glob(f".{dest}.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
     assert process.poll() is None, f"the conversion ended before it could be interrupted: {process.stderr.read()}"
-    process.send_signal(signal.SIGINT)
+    process.send_signal(sent)
     _, err = process.communicate(timeout=60)
-    assert process.returncode == 130
+    assert process.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sent], err
     assert err.splitlines()[-1] == "fabric-hsdp: interrupted; nothing was written"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["big.pth"]
+
+
+def test_staging_left_by_a_killed_conversion_is_removed_by_the_next(tmp_path, checkpoint, capsys):
+    """kill -9 leaves .NAME.tmp-*: the next write of NAME removes it and says so; a live writer's is left alone."""
+    killed = tmp_path / ".out.pth.tmp-0123456789ab"
+    (killed / "out.pth").parent.mkdir()
+    (killed / "out.pth").write_bytes(b"x" * 3000)
+    (killed / ".owner").write_text(f"{socket.gethostname()} {2**22 + 1}")  # above pid_max's default: no such process
+    live = tmp_path / ".out.pth.tmp-ba9876543210"
+    live.mkdir()
+    (live / ".owner").write_text(f"{socket.gethostname()} {os.getppid()}")
+    other = tmp_path / ".other.pth.tmp-0123456789ab"  # another destination's: not ours to judge
+    other.mkdir()
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "out.pth")
+    assert code == 0, err
+    assert (
+        f"fabric-hsdp: removing '{killed}' (2.9 KiB), left by an interrupted write of '{tmp_path / 'out.pth'}'" in err
+    )
+    assert f"is being written by process {os.getppid()} on this host (staging '{live}')" in err
+    assert not killed.exists() and live.exists() and other.exists() and (tmp_path / "out.pth").is_file()
 
 
 def test_a_reader_that_stops_early_is_not_an_error(checkpoint):
@@ -215,11 +244,11 @@ def test_a_reader_that_stops_early_is_not_an_error(checkpoint):
 
 def test_the_command_imports_neither_lightning_nor_the_strategy():
     code = (
-        "import json, sys, fabric_hsdp.cli, fabric_hsdp.checkpoint, fabric_hsdp.checkpoint.convert;"
+        "import json, sys, fabric_hsdp.cli, fabric_hsdp.checkpoint, fabric_hsdp.checkpoint.writers.convert;"
         " print(json.dumps(sorted(sys.modules)))"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     modules = json.loads(output.stdout)
     assert [name for name in modules if name == "lightning" or name.startswith("lightning.")] == []
-    assert "fabric_hsdp.strategy" not in modules and "fabric_hsdp.checkpoint.convert" in modules
+    assert "fabric_hsdp.strategy" not in modules and "fabric_hsdp.checkpoint.writers.convert" in modules

@@ -76,7 +76,19 @@ def _loss_at(step: int, output: str) -> str:
     return found[-1]
 
 
+def _tensors(tree, prefix=""):
+    """The tensors of a nested dict/list, by dotted path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else []
+    found = {}
+    for key, value in items:
+        found.update(_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    return found
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 240 + 40)  # three torchrun jobs of 240 s at most
 def test_train_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
     """Stopped at step 4 and started again, training reaches the same loss at step 8 as without the stop.
 
@@ -90,6 +102,19 @@ def test_train_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
     assert "resumed from" in resumed and "step-000004 (step 4)" in resumed
     assert _loss_at(8, resumed) == _loss_at(8, straight)
     assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-000004", "step-000008"]
+    # exact, not to the 4 printed decimals: every weight and optimizer moment of step 8 is bit-equal
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    final = {}
+    for run in ("straight", "stopped"):
+        dcp_to_torch_save(tmp_path / run / "step-000008", tmp_path / f"{run}.pt")
+        final[run] = torch.load(tmp_path / f"{run}.pt", weights_only=False)
+    straight_tensors, resumed_tensors = (
+        _tensors({"model": c["model"], "optimizer": c["optimizer"]}) for c in final.values()
+    )
+    assert any(k.startswith("optimizer.state.") for k in straight_tensors), sorted(straight_tensors)[:5]
+    assert resumed_tensors.keys() == straight_tensors.keys()
+    assert [k for k, v in straight_tensors.items() if not torch.equal(resumed_tensors[k], v)] == []
 
 
 def test_finetune_tells_a_directory_that_is_no_checkpoint_and_falls_back_to_labelled_bytes(tmp_path):
@@ -167,6 +192,7 @@ def main_job(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600 + 60)  # the main_job fixture's 600 s, when this test runs first
 def test_main_job_fine_tunes_both_formats_on_two_nodes_and_the_exports_reproduce_the_model(main_job):
     """A tiny Llama made in both formats, each fine-tuned by two `fabric run` launches (2 nodes x 2 ranks),
     exported, reloaded by litgpt / transformers.
@@ -199,6 +225,7 @@ def test_main_job_fine_tunes_both_formats_on_two_nodes_and_the_exports_reproduce
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600 + 180 + 30)  # the main_job fixture's 600 s, when this test runs first, and a 180 s launch
 def test_finetune_resumes_from_its_sharded_checkpoint_exactly(main_job, tmp_path):
     """The main job's litgpt run without its last checkpoint, started again on 2 x 2 ranks: it resumes at step 2 and
     ends where the uninterrupted run ended, and exports again."""

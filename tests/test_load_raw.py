@@ -44,6 +44,7 @@ def llama_files(tmp_path_factory):
     return root
 
 
+@pytest.mark.timeout(360)  # one launch of 300 s
 def test_every_format_and_mode_loads_exactly(llama_files):
     root = llama_files
     reference = str(root / "lit-llama.pth")
@@ -65,11 +66,16 @@ def test_every_format_and_mode_loads_exactly(llama_files):
         case("compiled.pth"),
         case("prefixed.pth", key_map={"transformer.": ""}),
     ]
-    values = _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases}, timeout=300))
+    # the strategy's process_group_backend and timeout reach the default process group
+    strategy = {"process_group_backend": "gloo", "timeout_seconds": 321}
+    args = {"kind": "llama", "cases": cases, "strategy": strategy}
+    values = _cases(launch("tests.scenarios.loading:load_cases", args, timeout=300))
     for rank_values in values:
+        assert rank_values[0].pop("process_group") == {"backend": "gloo", "timeout_seconds": 321.0}
         for spec, outcome in zip(cases, rank_values):
             assert "error" not in outcome, (spec, outcome)
             assert outcome["max_logit_diff"] == 0.0, (spec, outcome)
+            assert outcome["weights_differ"] == [], (spec, outcome)
             assert outcome["missing"] == [] and outcome["unexpected"] == [], (spec, outcome)
             assert outcome["loaded"] == 21
             expected_dtype = "torch.bfloat16" if spec.get("model_dtype") == "bfloat16" else "torch.float32"
@@ -111,7 +117,7 @@ def test_fabric_load_accepts_a_raw_state_dict_and_a_converted_dcp(llama_files):
         args = {"file": str(llama_files / name), "reference": str(llama_files / "lit-llama.pth")}
         for facts in launch("tests.scenarios.loading:fabric_load_raw_state_dict", args).check().values:
             assert facts["remainder"] == {}
-            assert facts["max_logit_diff"] == 0.0
+            assert facts["max_logit_diff"] == 0.0 and facts["weights_differ"] == []
 
 
 def test_transformers_save_pretrained_directories(tmp_path):
@@ -131,6 +137,7 @@ def test_transformers_save_pretrained_directories(tmp_path):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
+            assert outcome["weights_differ"] == [], outcome
 
 
 def test_litgpt_converter_output(tmp_path):
@@ -166,3 +173,4 @@ def test_litgpt_converter_output(tmp_path):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
+            assert outcome["weights_differ"] == [], outcome

@@ -1,7 +1,9 @@
 """Checkpoints, raw loading and conversion under tensor parallelism (transformers' Llama and litgpt's GPT, both GQA).
 
-Saved on (1, 2, 2) (one node of 4, TP=2) and on plain HSDP 2 x 2; loaded on another TP size, shard size or node
-count: TP=2 -> TP=1, TP=1 -> TP=2, (1, 2, 2) -> (2, 1, 2) (with split replica reads), (1, 2, 2) -> HSDP 2 x 2.
+Saved on (1, 2, 2) (one node of 4, TP=2, with sequence and loss parallelism) and on plain HSDP 2 x 2; loaded on
+another TP size, shard size or node count, with the levers off or on: TP=2 -> TP=1, TP=1 -> TP=2 with sequence and
+loss parallelism, (1, 2, 2) -> (2, 1, 2) (with split replica reads, no sequence parallelism), (1, 2, 2) -> HSDP 2 x 2.
+Plain TP=2 saves loaded with the levers on: ``test_tensor_parallel.py``.
 """
 
 import json
@@ -13,25 +15,27 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.launch import launch
 from tests.scenarios.common import build, hf_config, litgpt_config
 
-pytestmark = pytest.mark.slow
+# the first test of each saved_* fixture also pays its 300 s launch; test_stored_layout_is_the_models_own's is 400 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 
 KINDS = ("hf", "litgpt")
 
 
-def _assert_exact(facts):
-    for kind in KINDS:
+def _assert_exact(facts, kinds=KINDS):
+    for kind in kinds:
         assert facts[kind]["model_equal"] and all(facts[kind]["model_equal"].values()), (kind, facts[kind])
         unequal = [name for name, equal in facts[kind]["optimizer_equal"].items() if not equal]
         assert facts[kind]["optimizer_equal"] and not unequal, (kind, unequal)
         assert facts[kind]["scheduler_equal"] and facts[kind]["step"] == 2
-        assert facts[kind]["remainder"] == {"note": kind}
+        assert facts[kind]["remainder"] == {"note": kind.removesuffix("-full")}
 
 
 @pytest.fixture(scope="module")
 def saved_with_tp(tmp_path_factory):
-    """Saved in the background on (1, 2, 2), plus the full exports of the same state."""
+    """Saved in the background on (1, 2, 2) with sequence and loss parallelism, plus full exports of the same state."""
     out = tmp_path_factory.mktemp("tp2")
     args = {"out": str(out), "tensor_parallel_size": 2, "async_save": True, "full": True}
+    args.update(sequence_parallel=True, loss_parallel=True)
     launch("tests.scenarios.tp_checkpoints:save", args, num_nodes=1, ranks_per_node=4, timeout=300).check()
     return out
 
@@ -56,10 +60,13 @@ def test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts(
     for facts in result.check().values:
         assert facts["hf"]["mesh"] == mesh
         _assert_exact(facts)
+        # the full checkpoint (.pth with optimizer state) of the same state too: with replicas and TP on (2, 1, 2),
+        # litgpt's fused qkv rows regrouped by TP rank, or on plain HSDP 2 x 2
+        _assert_exact(facts, kinds=[f"{kind}-full" for kind in KINDS])
 
 
 def test_checkpoint_without_tensor_parallelism_loads_exactly_with_it(saved_without_tp):
-    args = {"out": str(saved_without_tp), "tensor_parallel_size": 2}
+    args = {"out": str(saved_without_tp), "tensor_parallel_size": 2, "sequence_parallel": True, "loss_parallel": True}
     result = launch("tests.scenarios.tp_checkpoints:load", args, num_nodes=1, ranks_per_node=4, timeout=300)
     for facts in result.check().values:
         assert facts["hf"]["mesh"] == (1, 2, 2)
@@ -139,9 +146,9 @@ def test_raw_loads_fill_tensor_parallel_shards_reading_only_their_elements(conso
             case(kind, f"{kind}-dcp"),
         ]
     cases.append(case("hf", "hf-dir"))
-    result = launch(
-        "tests.scenarios.tp_checkpoints:load_raw", {"cases": cases}, num_nodes=1, ranks_per_node=4, timeout=400
-    )
+    # with sequence parallelism: norms are DTensors replicated over the tensor-parallel ranks too
+    args = {"cases": cases, "sequence_parallel": True}
+    result = launch("tests.scenarios.tp_checkpoints:load_raw", args, num_nodes=1, ranks_per_node=4, timeout=400)
     values = result.check().values
     for rank_values in values:
         for spec, outcome in zip(cases, rank_values):

@@ -24,8 +24,10 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     from lightning.fabric.wrappers import _unwrap_objects
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from fabric_hsdp.checkpoint.dcp_io import META_FILE, SavePlanner
-    from fabric_hsdp.checkpoint.sharded import _save_meta, in_stored_layout, plain_values, state_parts
+    from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+    from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
+    from fabric_hsdp.checkpoint.training.sharded import _save_meta, in_stored_layout
+    from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
 
     state = _unwrap_objects(state)
     if strategy._state_dict_type == "full" or path.suffix == ".safetensors":

@@ -94,7 +94,7 @@ class DryRunSession:
     @contextmanager
     def _count_checkpoint_reads(self) -> Iterator[None]:
         """Count the tensor bytes read from checkpoint files: every reader ends in ``fileio.readinto``."""
-        from fabric_hsdp.checkpoint import fileio
+        from fabric_hsdp.checkpoint.core import fileio
 
         original = fileio.readinto
 
@@ -222,7 +222,7 @@ class DryRunSession:
 @contextmanager
 def _no_io_watchdog() -> Iterator[None]:
     """The I/O watchdog posts progress to the job's store for its neighbour rank: in a dry run there is neither."""
-    from fabric_hsdp.checkpoint import watchdog
+    from fabric_hsdp.checkpoint.core import watchdog
 
     with mock.patch.object(watchdog, "_default_store", lambda: None):
         yield

@@ -131,8 +131,8 @@ def _built_with_litgpt(config: Any, description: str) -> ModelShape:
 
 
 def _from_checkpoint(path: Path, tried: list[str]) -> ModelShape:
-    from fabric_hsdp.checkpoint.formats import open_checkpoint
-    from fabric_hsdp.checkpoint.source import ACCEPTED_FORMATS
+    from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+    from fabric_hsdp.checkpoint.formats.source import ACCEPTED_FORMATS
 
     try:
         source = open_checkpoint(path)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fabric_hsdp.checkpoint import commit
+from fabric_hsdp.checkpoint.core import commit
 
 
 def make_dir(path, content):

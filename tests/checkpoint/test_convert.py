@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fabric_hsdp.checkpoint import convert_checkpoint, inspect_checkpoint, open_checkpoint
-from fabric_hsdp.checkpoint.convert import output_format
+from fabric_hsdp.checkpoint.writers.convert import output_format
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
 
 
@@ -26,6 +26,11 @@ def test_output_format_from_name_or_to():
         "dcp",
     ]
     assert output_format("out", "safetensors") == "safetensors"
+    # a name that promises a file of another kind is refused, not silently made a DCP directory
+    for name in ("x.zip", "model.gguf", "w.npz"):
+        with pytest.raises(ValueError, match=rf"'{name}': fabric-hsdp does not write \.\w+ files\. Name it"):
+            output_format(name)
+    assert output_format("x.zip", "dcp") == "dcp" and output_format("llama-v1.5") == "dcp"
     with pytest.raises(ValueError, match="to='zip' is not one of dcp, torch, safetensors"):
         output_format("out", "zip")
 
@@ -216,7 +221,7 @@ def test_dcp_to_hugging_face_directory_carries_no_dcp_files(tmp_path, state_dict
 @pytest.mark.parametrize("dest", ["out", "out.pth", "out.safetensors"])
 def test_an_interrupt_inside_the_file_writer_stays_an_interrupt(tmp_path, state_dict, monkeypatch, dest):
     """Ctrl-C while torch's zip writer writes (DCP, torch files): its clean-up error must not replace the interrupt."""
-    from fabric_hsdp.checkpoint import fileio
+    from fabric_hsdp.checkpoint.core import fileio
 
     torch.save({f"w{i}": torch.randn(64, 1024) for i in range(6)}, tmp_path / "in.pth")
     calls = []
@@ -236,7 +241,7 @@ def test_an_interrupt_inside_the_file_writer_stays_an_interrupt(tmp_path, state_
 
 def test_progress_reaches_a_log_without_a_terminal(tmp_path, state_dict, monkeypatch, caplog):
     """In a batch log (no terminal) a long conversion logs bytes done, rate and time left; here every tensor."""
-    from fabric_hsdp.checkpoint import progress
+    from fabric_hsdp.checkpoint.core import progress
     from fabric_hsdp.units import format_binary_bytes
 
     torch.save(state_dict, tmp_path / "in.pth")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fabric_hsdp.checkpoint import KeyMatch, TensorInfo, format_key_errors, make_key_map, match_keys
-from fabric_hsdp.checkpoint.keys import parse_key_map_rules, suggest_prefix_rule
+from fabric_hsdp.checkpoint.core.keys import parse_key_map_rules, suggest_prefix_rule
 
 
 def test_make_key_map_specs():
@@ -92,3 +92,30 @@ def test_a_consistent_prefix_difference_is_suggested():
     message = format_key_errors(match, model, source, source_name="x.pth")
     assert message.endswith("The names differ by a prefix: key_map={'transformer.h.': 'layers.'} would rename them.")
     assert make_key_map({"transformer.h.": "layers."})("transformer.h.2.attn.weight") == "layers.2.attn.weight"
+
+
+@pytest.mark.parametrize(
+    ("model_keys", "checkpoint_keys", "expected"),
+    [
+        (
+            ["transformer.wte.weight", "transformer.h.0.attn.qkv.weight", "lm_head.weight"],
+            ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
+            "The model uses litgpt's parameter names and the checkpoint transformers's",
+        ),
+        (
+            ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
+            ["transformer.wte.weight", "transformer.h.0.attn.qkv.weight", "lm_head.weight"],
+            "The model uses transformers's parameter names and the checkpoint litgpt's",
+        ),
+    ],
+)
+def test_the_other_projects_naming_says_convert_instead_of_strict_false(model_keys, checkpoint_keys, expected):
+    """A litgpt model on a transformers directory (and the reverse): 'Pass strict=False' would train random weights."""
+    info = TensorInfo("", (4, 4), torch.float32)
+    match = match_keys(checkpoint_keys, model_keys)
+    message = format_key_errors(
+        match, dict.fromkeys(model_keys, info), dict.fromkeys(checkpoint_keys, info), source_name="ckpt"
+    )
+    assert expected in message and "strict=False would train from random weights" in message
+    assert "convert_to_litgpt" in message or "convert_from_litgpt" in message
+    assert "Pass strict=False to skip them" not in message

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from fabric_hsdp.checkpoint.loading import load_into_model
+from fabric_hsdp.checkpoint.training.raw_load import load_into_model
 
 
 class TiedLM(nn.Module):

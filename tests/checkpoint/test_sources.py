@@ -120,7 +120,7 @@ def test_read_slice_reads_only_the_box(tmp_path, monkeypatch):
                 assert torch.equal(source.read_slice("w", box), weight[box]), (path, box)
     with safe_open(tmp_path / "w.safetensors", "pt") as reference, open_checkpoint(tmp_path / "w.safetensors") as ours:
         assert torch.equal(ours.read_slice("w", (slice(1, 3), slice(1, 2))), reference.get_slice("w")[1:3, 1:2])
-    from fabric_hsdp.checkpoint import fileio
+    from fabric_hsdp.checkpoint.core import fileio
 
     read = []
     readinto = fileio.readinto
@@ -354,7 +354,8 @@ def test_dcp_tensor_saved_in_several_chunks(tmp_path, dim):
 def test_safe_load_planner_refuses_arbitrary_objects_unless_opted_in(tmp_path):
     from torch.distributed.checkpoint import CheckpointException
 
-    from fabric_hsdp.checkpoint.dcp_io import SafeLoadPlanner, first_failure
+    from fabric_hsdp.checkpoint.core.dcp_errors import first_failure
+    from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner
 
     dcp.save(
         {"x": torch.ones(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}]}, checkpoint_id=tmp_path / "ok", no_dist=True

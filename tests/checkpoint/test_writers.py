@@ -16,8 +16,8 @@ from fabric_hsdp.checkpoint import (
     write_safetensors,
     write_torch_file,
 )
-from fabric_hsdp.checkpoint.fileio import DirectFileWriter, release_freed_memory
-from fabric_hsdp.checkpoint.writers import plan_shards
+from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter, release_freed_memory
+from fabric_hsdp.checkpoint.writers.full_files import plan_shards
 from fabric_hsdp.units import parse_bytes
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
 

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 
 from tests.helpers.slurm_cluster import SlurmCluster, missing_requirements
+from tests.helpers.strict import skips_are_failures
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
     """A running two-node cluster; its directory (logs included) is kept if a test failed while it ran.
 
-    Where the machine lacks what the cluster needs, the tests fail in CI (``CI`` set: ``.ci/run`` installs it all, so
-    something is broken) and are skipped elsewhere, with the reason and the command that installs it.
+    Where the machine lacks what the cluster needs, the tests fail in CI and under ``make test`` (``.ci/run`` installs
+    it all, so something is broken) and wherever SLURM is installed (a half-installed cluster must not pass as
+    "skipped"); they are skipped only on a machine without SLURM, with the reason and the command that installs it.
     """
     problems = missing_requirements()
     if problems:
         message = "SLURM test cluster unavailable: " + "; ".join(problems)
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        if skips_are_failures() or shutil.which("sbatch") or shutil.which("slurmctld"):
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
     cluster = SlurmCluster()

@@ -75,7 +75,7 @@ class LaunchResult:
 class _ForkServer:
     """Client of ``forkserver.py``: starts ranks as forks of one process that has imported torch and Lightning."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
         self._process = subprocess.Popen(
@@ -84,10 +84,11 @@ class _ForkServer:
         self._pending = b""
         self._returncodes: dict[int, int] = {}
         self._started: list[int] = []
-        deadline = time.monotonic() + 120
         while not self._read_replies(block=True).get("ready"):
             if time.monotonic() > deadline or self._process.poll() is not None:
-                raise RuntimeError(f"the fork server did not start (exit {self._process.poll()})")
+                code = self._process.poll()
+                self._process.kill()
+                raise RuntimeError(f"the fork server did not start in what the test's timeout left (exit {code})")
 
     def _read_replies(self, block: bool) -> dict[str, Any]:
         """Read what the server has written; returns the last non-exit message (``{"pid"}`` or ``{"ready"}``)."""
@@ -153,18 +154,48 @@ class _ForkedRank:
 
 _server: _ForkServer | None = None
 
+# (seconds, deadline) of the running test's pytest timeout, set by tests/conftest.py; None outside pytest
+test_budget: tuple[float, float] | None = None
+MARGIN = 15.0  # seconds left to the test after a launch's budget: to collect and report its ranks
+
+
+def _budget(timeout: float) -> float:
+    """``timeout``, cut to what the running test's pytest timeout leaves (see tests/conftest.py)."""
+    if test_budget is None:
+        return timeout
+    seconds, deadline = test_budget
+    if timeout > seconds - MARGIN:
+        raise ValueError(
+            f"launch(timeout={timeout:.0f}) is more than this test's whole pytest timeout ({seconds:.0f} s) allows:"
+            f" give the test @pytest.mark.timeout({int(timeout + MARGIN) + 1}) or more"
+        )
+    return max(1.0, min(timeout, deadline - time.monotonic() - MARGIN))
+
+
+def _fresh_processes() -> bool:
+    return os.environ.get("FABRIC_HSDP_TEST_FRESH_PROCESSES") == "1"
+
+
+def _start_server() -> None:
+    """Start the fork server once (imports torch, Lightning, transformers: a minute or more on a loaded machine).
+
+    Its start is not charged to the launch that needs it first, only to the test: it may take what the test's pytest
+    timeout leaves (300 s outside pytest).
+    """
+    global _server
+    if _server is None and not _fresh_processes():
+        deadline = test_budget[1] - MARGIN if test_budget is not None else time.monotonic() + 300
+        _server = _ForkServer(deadline)
+        atexit.register(_server.close)
+
 
 def _start(command: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Any:
     """Start one rank: forked from the fork server, or a fresh ``python`` if ``FABRIC_HSDP_TEST_FRESH_PROCESSES=1``."""
-    global _server
     stdout.touch()
     stderr.touch()
-    if os.environ.get("FABRIC_HSDP_TEST_FRESH_PROCESSES") == "1":
+    if _fresh_processes():
         with open(stdout, "w") as out, open(stderr, "w") as err:
             return subprocess.Popen([sys.executable, *command], env=env, stdout=out, stderr=err, start_new_session=True)
-    if _server is None:
-        _server = _ForkServer()
-        atexit.register(_server.close)
     return _server.start(command, env, stdout, stderr)
 
 
@@ -189,6 +220,8 @@ def launch(
     ``LOCAL_RANK``, ``WORLD_SIZE`` (so Fabric picks ``LightningEnvironment`` and the processes are created externally).
     The scenario receives the JSON ``args`` plus ``num_nodes`` and ``devices``.
     """
+    _start_server()
+    timeout = _budget(timeout)
     world_size = num_nodes * ranks_per_node
     port = free_port()
     workdir = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hsdp-launch-"))

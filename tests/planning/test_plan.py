@@ -85,16 +85,21 @@ def test_worked_example_65b_error_lists_what_would_fit():
     assert smallest.layout.shard_size == 16
     assert f"the smallest total is {smallest.memory.total / GB:.1f} GB per device with shard_size=16" in message
     labels = [option.split(" (")[0] for option in caught.value.options]
-    # Without activation checkpointing the activations alone exceed the 72 GB: no node count, offload or
-    # precision change helps (FSDP does not shard activations).
+    # Without activation checkpointing the planner's activations alone exceed the 72 GB, on every layout without TP:
+    # no node count, offload or precision change helps (FSDP does not shard activations).
     hidden, layers, inner, vocab = 8192, 80, 22016, 32000
-    activations = layers * 4096 * (2 * (9 * hidden + 4 * inner) + 8 * hidden)
+    per_layer = 4096 * (2 * (9 * hidden + 4 * inner) + 8 * hidden)
+    activations = layers * per_layer + 4096 * vocab * (2 + 8)  # the layers', then the logits' and the loss's
+    without_tp = [row for row in caught.value.plan.rows if row.layout.tensor_parallel_size == 1]
+    assert without_tp and {row.memory.activations for row in without_tp} == {activations}
     assert activations > 72e9
-    # Checkpointing alone on two nodes: 16 bytes/parameter over 16 ranks, plus the layer inputs, one layer's
-    # recompute, the loss and the gathered units: still above 72 GB.
-    _, layer, total = llama_counts(hidden, layers, inner, vocab)
-    checkpointed = layers * 4096 * hidden * 2 + activations / layers + 4096 * vocab * 10
-    assert 16 * total / 16 + checkpointed + 2 * (2 * vocab * hidden + 2 * layer) > 72e9
+    # Checkpointing alone on two nodes: the planner keeps the layer inputs, one layer's recompute and the loss, and
+    # still no layout fits (the smallest total is above 72 GB).
+    checkpointed = Training("bf16-mixed", Workload(1, 4096), activation_checkpointing=True)
+    plan = make_plan(model, Cluster(2, 8, "80GB"), checkpointed, tensor_parallel_sizes=[1])
+    kept = layers * 4096 * hidden * 2 + per_layer + 4096 * vocab * 10
+    assert {row.memory.activations for row in plan.rows} == {kept}
+    assert not any(row.fits for row in plan.rows) and min(row.memory.total for row in plan.rows) > 72e9
     assert labels == ["CPU offload + activation checkpointing", "activation checkpointing + precision bf16-true"]
 
 

@@ -137,8 +137,8 @@ def test_checkpoint_header_gives_shapes_without_reading_data(tmp_path, hf_refere
     def no_reading(*args, **kwargs):
         raise AssertionError("tensor data was read")
 
-    monkeypatch.setattr("fabric_hsdp.checkpoint.source.CheckpointSource.read", no_reading)
-    monkeypatch.setattr("fabric_hsdp.checkpoint.source.CheckpointSource.read_slice", no_reading)
+    monkeypatch.setattr("fabric_hsdp.checkpoint.formats.source.CheckpointSource.read", no_reading)
+    monkeypatch.setattr("fabric_hsdp.checkpoint.formats.source.CheckpointSource.read_slice", no_reading)
     planned = load_model_shape(tmp_path / "weights.safetensors")
     assert shapes(planned) == hf_reference
     # dims from shapes alone: embedding [256, 64], down projection [64, 96]; heads unknown

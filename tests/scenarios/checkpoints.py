@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import os
-import random
 import signal
 import threading
 import time
@@ -63,8 +63,10 @@ def train_steps(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: 
     inputs, targets = batch(2 * data["num_replicas"], seed=7)
     rows = slice(2 * data["rank"], 2 * data["rank"] + 2)
     for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(logits_of(model, inputs[rows]).flatten(0, 1), targets[rows].flatten())
-        fabric.backward(loss)
+        with fabric.strategy.loss_parallel():  # a no-op unless loss_parallel=True split the logits
+            logits = logits_of(model, inputs[rows])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
+            fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -189,25 +191,111 @@ def save_in_background(num_nodes: int, devices: int, out: str) -> dict:
     return {"visible_before_written": visible_before_written}  # the script ends with the save pending
 
 
+# Where a killed save dies, in the order a save passes them, and what must then be at the path.
+KILL_POINTS = {
+    "before_write": "old",  # in DCP's write_data, before this rank wrote a byte
+    "mid_write": "old",  # in the fsync of this rank's first data file: its bytes written, the file not finished
+    "after_write": "old",  # this rank's files all written, before the commit
+    "after_commit": "new",  # rank 0: the swap into place done, fabric.save not yet returned
+    "after_save": "new",  # fabric.save (and, in the background, the wait) returned
+}
+
+
+def _arm_kill(point: str, marker: Path) -> None:
+    """Make this rank SIGKILL itself when the save reaches ``point``, writing ``marker`` first (where it died).
+
+    The kill is triggered by the save's own progress (hooks in DCP's writer and in the commit), not by a timer, so
+    where it lands does not depend on the machine's load.
+    """
+    from torch.distributed.checkpoint import filesystem
+
+    from fabric_hsdp.checkpoint.core import commit
+
+    def die(where: str) -> None:
+        marker.write_text(where)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    write_data, fsync, commit_swap = filesystem.FileSystemWriter.write_data, os.fsync, commit.commit
+    writing = threading.Event()
+
+    def hooked_write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if point == "before_write":
+            die(point)
+        writing.set()
+        future = write_data(self, plan, planner)
+        future.wait()  # done (thread_count 1 writes in this thread): an error would surface here
+        if point == "after_write":
+            die(point)
+        return future
+
+    def hooked_fsync(fd: int) -> None:
+        if point == "mid_write" and writing.is_set() and os.fstat(fd).st_size > 0:
+            die(point)
+        fsync(fd)
+
+    def hooked_commit(staged: Path, path: Path) -> None:
+        commit_swap(staged, path)
+        if point == "after_commit":
+            die(point)
+
+    filesystem.FileSystemWriter.write_data = hooked_write_data
+    filesystem.os.fsync = hooked_fsync
+    commit.commit = hooked_commit
+
+
+def feed_forward_only(model: torch.nn.Module, mesh: Any) -> None:
+    """A callable tensor-parallel plan: the example LLaMA's feed-forward blocks only (attention stays whole)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in model.layers:
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(layer.feed_forward, mesh, plan, src_data_rank=None)
+
+
+# Plans a launched run takes: "auto" (the model's _tp_plan), a dict of style names, a callable.
+TENSOR_PARALLEL_PLANS = {
+    "auto": "auto",
+    "dict": {
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "output": "colwise_gather_output",
+    },
+    "callable": feed_forward_only,
+}
+
+
 def save_then_killed(
-    num_nodes: int, devices: int, out: str, seed: int, async_save: bool = False, tensor_parallel_size: int = 1
+    num_nodes: int,
+    devices: int,
+    out: str,
+    point: str,
+    victim: int,
+    async_save: bool = False,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: str = "auto",
 ) -> dict:
-    """Save A, train, then save B over it while a random rank SIGKILLs itself at a random moment of that save."""
+    """Save A, train, then save B over it while rank ``victim`` SIGKILLs itself at ``point`` of that save.
+
+    Rank 0 writes which parameters tensor parallelism split (``split.json``): the plan given took effect.
+    """
     fabric = make_fabric(
         num_nodes,
         devices,
         sharded_modules={layer_class("llama")},
         async_save=async_save,
         tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_plan=TENSOR_PARALLEL_PLANS[tensor_parallel_plan],
     )
     model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    if fabric.global_rank == 0:
+        split = sorted(name for name, p in model.module.named_parameters() if len(p.placements) == 3)
+        (Path(out) / "split.json").write_text(json.dumps(split))
     path = Path(out) / "ckpt"
     state = {"model": model, "optimizer": optimizer, "step": 1}
     train_steps(fabric, model, optimizer, scheduler, steps=1)
-    started = time.monotonic()
     fabric.save(path, state)
     fabric.strategy.wait_for_checkpoint()
-    seconds = time.monotonic() - started
     expected_a = full_state(model.module)  # gathers are collectives: every rank takes part
     train_steps(fabric, model, optimizer, scheduler, steps=1)
     state["step"] = 2
@@ -216,16 +304,17 @@ def save_then_killed(
         torch.save(expected_a, Path(out) / "expected_a.pt")
         torch.save(expected_b, Path(out) / "expected_b.pt")
     fabric.barrier()
-    chooser = random.Random(seed)
-    victim, delay = chooser.randrange(fabric.world_size), chooser.uniform(0, 1.3 * seconds)
+    marker = Path(out) / "killed_at"
     if fabric.global_rank == victim:
-        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        _arm_kill(point, marker)
     fabric.save(path, state)
     fabric.strategy.wait_for_checkpoint()
-    fabric.barrier()
     if fabric.global_rank == victim:
-        time.sleep(delay + 1)  # the kill is still due: die as promised
-    return {"victim": victim, "delay": delay, "save_seconds": seconds}
+        assert point == "after_save", f"the save returned on rank {victim} although it was to die at {point}"
+        marker.write_text(point)
+        os.kill(os.getpid(), signal.SIGKILL)
+    fabric.barrier()  # the others stay until the victim is gone: the launcher ends them
+    return {}
 
 
 def fail_writing_on_one_rank(
@@ -286,7 +375,7 @@ def split_parts(num_nodes: int, devices: int) -> dict:
     """What each rank of a 2 x 2 mesh reads of two (Replicate, Shard(0)) tensors, and what the gather puts back."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from fabric_hsdp.checkpoint.replica_split import gather, replica_parts
+    from fabric_hsdp.checkpoint.training.replica_split import gather, replica_parts
 
     fabric = make_fabric(num_nodes, devices)
     mesh = fabric.strategy.device_mesh

@@ -6,10 +6,12 @@ import os
 import time
 from typing import Any
 
+import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fabric_hsdp import HybridFSDPStrategy
 from tests.scenarios.common import batch, build, copy_full_into, hf_config, layer_class, logits_of, make_fabric
 
 
@@ -58,33 +60,71 @@ def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str
     return facts
 
 
-def mixed_precision(num_nodes: int, devices: int) -> dict[str, Any]:
-    """bf16-mixed: bf16 parameters in compute, fp32 master shards, fp32 gradient reduction, finite loss."""
-    fabric = make_fabric(num_nodes, devices, precision="bf16-mixed", sharded_modules={layer_class("llama")})
+def mixed_precision(num_nodes: int, devices: int, precision: str = "bf16-mixed") -> dict[str, Any]:
+    """bf16-mixed (or 16-mixed): half-precision parameters in compute, fp32 master shards, fp32 gradient reduction
+    (the dtypes FSDP2's reduce-scatter over ``shard`` and all-reduce over ``replicate`` are given), finite loss."""
+    plugins = []
+    if precision == "16-mixed":  # on CPU, Fabric turns "16-mixed" into bf16 unless given the plugin itself
+        from lightning.fabric.plugins.precision import MixedPrecision
+
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    strategy = HybridFSDPStrategy(sharded_modules={layer_class("llama")})
+    fabric = L.Fabric(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
+                      precision=None if plugins else precision, plugins=plugins)  # fmt: skip
+    fabric.launch()
     model = fabric.setup_module(build("llama"))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     compute_dtypes = []
     linear = model.module.layers[0].attention.wq
     handle = linear.register_forward_pre_hook(lambda module, args: compute_dtypes.append(module.weight.dtype))
+    reduced: dict[str, set[str]] = {"reduce_scatter": set(), "all_reduce": set()}
+    reduce_scatter, all_reduce = dist.reduce_scatter_single, dist.all_reduce
+
+    def recording_reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:  # noqa: A002
+        reduced["reduce_scatter"].add(str(input.dtype))
+        return reduce_scatter(output=output, input=input, **kwargs)
+
+    def recording_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.numel() > 1:  # gradients, not a scalar (found-inf flags, losses)
+            reduced["all_reduce"].add(str(tensor.dtype))
+        return all_reduce(tensor, *args, **kwargs)
+
     inputs, targets = batch(2, seed=fabric.global_rank)
     losses = []
     for _ in range(2):
         loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        dist.reduce_scatter_single, dist.all_reduce = recording_reduce_scatter, recording_all_reduce
         fabric.backward(loss)
+        dist.reduce_scatter_single, dist.all_reduce = reduce_scatter, all_reduce
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     handle.remove()
     fabric.strategy.teardown()
     return {
+        "precision": fabric.strategy.precision_name,
         "initialized_after_teardown": dist.is_initialized(),
         "compute_dtypes": [str(d) for d in compute_dtypes],
         "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "optimizer_state_dtypes": sorted(
             {str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
         ),
+        "reduced_dtypes": {what: sorted(dtypes) for what, dtypes in reduced.items()},
         "losses": losses,
     }
+
+
+def replicas_differ(module: torch.nn.Module, world_size: int) -> list[str]:
+    """Every parameter and buffer whose local shard differs between replicas (ranks r and r + 2 of a 2 x 2 mesh)."""
+    differ = []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().contiguous()
+        pieces = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(pieces, local)
+        half = world_size // 2
+        if not all(torch.equal(pieces[rank], pieces[rank + half]) for rank in range(half)):
+            differ.append(name)
+    return differ
 
 
 def init_consistency(num_nodes: int, devices: int) -> dict[str, Any]:
@@ -100,11 +140,10 @@ def init_consistency(num_nodes: int, devices: int) -> dict[str, Any]:
         model = fabric.setup_module(model)
         weight = model.module.layers[0].feed_forward.w1.weight  # [96, 64]: local shards of 48 rows
         full = weight.full_tensor()
-        shards = [torch.empty_like(weight.to_local()) for _ in range(fabric.world_size)]
-        dist.all_gather(shards, weight.to_local().contiguous())
         facts[case] = {
             "halves_differ": not torch.equal(full[:48], full[48:]),
-            "replicas_equal": torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3]),
+            "replicas_differ": replicas_differ(model.module, fabric.world_size),
+            "checked": len(list(model.module.named_parameters())) + len(list(model.module.named_buffers())),
             "std": full.std().item(),
         }
     return facts
@@ -125,6 +164,21 @@ def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) 
     with torch.no_grad():
         model(inputs)
     return {"rank": fabric.global_rank}
+
+
+def train_then_fail_to_load(num_nodes: int, devices: int, checkpoint: str, tensor_parallel_size: int = 1) -> None:
+    """A script that trains a step, then loads a checkpoint that lacks a weight: every rank must exit 1, cleanly."""
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
+    )
+    with fabric.init_module(empty_init=True):
+        model = build("llama")
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    inputs, targets = batch(2, seed=fabric.global_rank)
+    fabric.backward(torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
+    optimizer.step()
+    fabric.load_raw(checkpoint, model)  # raises CheckpointError on every rank
 
 
 def fail_on_one_rank(num_nodes: int, devices: int, failing_rank: int) -> None:
@@ -148,12 +202,12 @@ def bad_tensor_parallel(num_nodes: int, devices: int, tensor_parallel_size: int,
     """A tensor-parallel size the topology rejects, or a model whose heads it would split: every rank must fail."""
     from transformers import LlamaForCausalLM
 
-    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size)
-    config = hf_config()
-    config.num_attention_heads = config.num_key_value_heads = heads
-    config.hidden_size, config.head_dim = 16 * heads, 16  # q_proj: 16 * heads rows, divisible by 2 even for 3 heads
     started = time.monotonic()
-    try:
+    try:  # the topology fails in make_fabric, the heads in setup_module: both print the line
+        fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size)
+        config = hf_config()
+        config.num_attention_heads = config.num_key_value_heads = heads
+        config.hidden_size, config.head_dim = 16 * heads, 16  # q_proj: 16 * heads rows, divisible by 2 even for 3
         fabric.setup_module(LlamaForCausalLM(config))
     finally:
         print(f"setup ended after {time.monotonic() - started:.2f}s", flush=True)

@@ -22,7 +22,8 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
     (its watchdog thread runs on). ``stall="save-stop"``: during the next save, ``stalled_rank`` writes one piece,
     then stops its whole process (``SIGSTOP``: no thread of it runs; its ring neighbour must notice).
     """
-    from fabric_hsdp.checkpoint import direct_writer, fileio
+    from fabric_hsdp.checkpoint.core import fileio
+    from fabric_hsdp.checkpoint.writers import direct_writer
 
     # the collectives' own timeout is far away: only the watchdog can end this job in time
     fabric = make_fabric(
@@ -62,3 +63,79 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
     else:
         fabric.save(path, {"model": model, "optimizer": optimizer})
     return {"finished_after": time.monotonic() - started}  # the watchdog must not let any rank get here
+
+
+def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: int = 1) -> dict:
+    """Stage model + AdamW state twice with :class:`Stager`; write the second with DCP; report sizes and reuse."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+    from fabric_hsdp.checkpoint.training.sharded import in_stored_layout
+    from fabric_hsdp.checkpoint.training.staging import Stager
+    from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
+    from tests.scenarios.checkpoints import _expected_state, train_steps
+
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
+    )
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)
+    group = torch.distributed.new_group(backend="gloo")
+    stager = Stager()
+
+    def state() -> dict:
+        module, inner = model.module, optimizer.optimizer
+        tensors = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, inner)}
+        return in_stored_layout(tensors, model.module)[0]
+
+    first = stager.stage(state(), group)
+    pointers = sorted(buffer.data_ptr() for buffer in stager._buffers.values())
+    second = stager.stage(state(), group)
+    reused = pointers == sorted(buffer.data_ptr() for buffer in stager._buffers.values())
+    expected = _expected_state(model, optimizer, scheduler)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)  # after staging: must not reach the checkpoint
+    path = Path(out) / f"staged-tp{tensor_parallel_size}"
+    second.ready()
+    dcp.save(second.state, storage_writer=DirectWriter(path), planner=SavePlanner(), process_group=group)
+    if fabric.global_rank == 0:
+        torch.save(expected, Path(out) / f"expected-tp{tensor_parallel_size}.pt")
+    local = sum(
+        (t.to_local() if hasattr(t, "to_local") else t).nbytes
+        for t in [*model.state_dict().values(), *(v for s in optimizer.state.values() for v in s.values())]
+        if isinstance(t, torch.Tensor)
+    )
+    return {"staged": [first.nbytes, second.nbytes], "local": local, "reused": reused}
+
+
+def raw_load_counting_reads(num_nodes: int, devices: int, out: str, split_replica_reads: bool) -> dict:
+    """Raw-load a ``.pth`` and a ``.safetensors`` of a known model; bytes this rank read and exactness of each."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from tests.scenarios.common import ReadCounter, build, full_state
+
+    expected = build("llama", seed=3).state_dict()
+    files = {"pth": Path(out) / "raw.pth", "safetensors": Path(out) / "raw.safetensors"}
+    if int(os.environ.get("RANK", "0")) == 0 and not files["pth"].exists():
+        torch.save(expected, files["pth"])
+        save_file({k: v.contiguous() for k, v in expected.items()}, files["safetensors"])
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, split_replica_reads=split_replica_reads
+    )
+    fabric.barrier()
+    facts: dict[str, Any] = {"file_bytes": sum(t.nbytes for t in expected.values())}
+    counter = ReadCounter()
+    for kind, file in files.items():
+        with fabric.init_module(empty_init=True):
+            model = build("llama", seed=11)
+        model = fabric.setup_module(model)
+        before = counter.bytes
+        fabric.load_raw(file, model)
+        actual = full_state(model.module)
+        facts[kind] = {
+            "bytes_read": counter.bytes - before,
+            "exact": all(torch.equal(actual[k], v) for k, v in expected.items()),
+        }
+    dist.barrier()
+    return facts

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.scenarios.common import SEQ, VOCAB, build, layer_class, logits_of, make_fabric
+from tests.scenarios.common import SEQ, VOCAB, build, full_state, layer_class, logits_of, make_fabric
 
 TOKENS = torch.arange(2 * SEQ).remainder(VOCAB).view(2, SEQ)
 
@@ -20,9 +20,40 @@ def reference_logits(kind: str, reference: str, dtype: str = "float32") -> torch
         return logits_of(model, TOKENS).float()
 
 
-def load_cases(num_nodes: int, devices: int, kind: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each case: meta-init the model, set it up, load the file raw, compare logits with a normal CPU build."""
-    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)})
+def weights_differing(model: torch.nn.Module, reference: str, dtype: str = "float32") -> list[str]:
+    """The names whose full tensor (this rank's replica, gathered over its shard group) is not exactly the
+    reference file's in ``dtype``: every loaded weight, every row, not only what some tokens' logits reach."""
+    expected = torch.load(reference, weights_only=True)
+    actual = full_state(model)
+    return sorted(
+        name
+        for name, tensor in actual.items()
+        if name not in expected or not torch.equal(tensor, expected[name].to(getattr(torch, dtype)))
+    )
+
+
+def load_cases(
+    num_nodes: int, devices: int, kind: str, cases: list[dict[str, Any]], strategy: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """For each case: meta-init the model, set it up, load the file raw, compare every weight exactly with the
+    reference file and the logits with a normal CPU build.
+
+    ``strategy``: more strategy arguments (``timeout_seconds`` becomes ``timeout``); the first result then also says
+    which backend and timeout the default process group got.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    options = dict(strategy or {})
+    if "timeout_seconds" in options:
+        options["timeout"] = timedelta(seconds=options.pop("timeout_seconds"))
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)}, **options)
+    group = dist.distributed_c10d._get_default_group()
+    process_group = {
+        "backend": dist.get_backend(),
+        "timeout_seconds": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+    }
     results = []
     for case in cases:
         with fabric.init_module(empty_init=True):
@@ -50,12 +81,14 @@ def load_cases(num_nodes: int, devices: int, kind: str, cases: list[dict[str, An
         expected = reference_logits(kind, case["reference"], case.get("model_dtype", "float32"))
         outcome.update(
             max_logit_diff=(logits - expected).abs().max().item(),
+            weights_differ=weights_differing(model, case["reference"], case.get("model_dtype", "float32")),
             missing=result.missing,
             unexpected=result.unexpected,
             loaded=len(result.loaded),
             param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
         )
         results.append(outcome)
+    results[0]["process_group"] = process_group
     return results
 
 
@@ -69,4 +102,4 @@ def fabric_load_raw_state_dict(num_nodes: int, devices: int, file: str, referenc
     with torch.no_grad():
         logits = logits_of(model, TOKENS).float()
     difference = (logits - reference_logits("llama", reference)).abs().max().item()
-    return {"remainder": remainder, "max_logit_diff": difference}
+    return {"remainder": remainder, "max_logit_diff": difference, "weights_differ": weights_differing(model, reference)}

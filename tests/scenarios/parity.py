@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
@@ -34,6 +35,9 @@ class Trained:
     norms: list[float]
     state: dict[str, torch.Tensor]
     batches: list = field(default_factory=list)  # the inputs of each micro-batch this rank trained on
+    forwards_per_micro_batch: float = 0.0  # forward calls of each layer per micro-batch: 2 when it is recomputed
+    use_cache: Any = None  # a transformers model's config.use_cache after setup
+    resharded_after_forward: bool | None = None  # a layer's parameters are sharded again after a forward
 
 
 def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -118,6 +122,9 @@ def _train_sharded(
         else:
             model = fabric.setup_module(model)
             optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    layers = [sub for sub in model.modules() if isinstance(sub, layer_class(kind))]
+    forwards = [0]
+    hooks = [layer.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) for layer in layers]
     dataset = TensorDataset(inputs, targets)
     if bug == "wrong_sampler":  # every replica reads the first replica's rows instead of its own
         shard_size = fabric.strategy.topology.shard_size
@@ -136,10 +143,12 @@ def _train_sharded(
         step_loss = torch.zeros(())
         for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):
             last = micro == accumulate - 1
-            with fabric.no_backward_sync(model, enabled=bug == "skip_sync_flush" or not last):
+            sync = fabric.no_backward_sync(model, enabled=bug == "skip_sync_flush" or not last)
+            with sync, fabric.strategy.loss_parallel():  # the latter a no-op unless loss_parallel=True
                 loss = _loss(model, micro_inputs, micro_targets)
                 fabric.backward(loss / accumulate)
-            step_loss += loss.detach() / accumulate
+            loss = loss.detach()
+            step_loss += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss) / accumulate
         if clip == "norm":
             norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
         elif clip == "value":
@@ -147,7 +156,16 @@ def _train_sharded(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
-    return Trained(losses, norms, full_state(model), seen)
+    for hook in hooks:
+        hook.remove()
+    config = getattr(getattr(model, "module", model), "config", None)
+    per_micro_batch = forwards[0] / (len(layers) * steps * accumulate)
+    state = full_state(model)
+    with torch.no_grad():  # FSDP2 leaves a layer's parameters gathered after forward with reshard_after_forward=False
+        logits_of(model, inputs[:1])
+    resharded = all(isinstance(p, DTensor) for p in layers[0].parameters())
+    use_cache = getattr(config, "use_cache", None)
+    return Trained(losses, norms, state, seen, per_micro_batch, use_cache, resharded)
 
 
 def _relative(values: list[float], reference: list[float]) -> float:
@@ -179,11 +197,15 @@ def parity(
     setup_together: bool = False,
     bugs: list[str] = (),
     kinds: list[str] | None = None,
+    variants: dict[str, dict[str, Any]] | None = None,
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Train sharded (and, for ``bugs``, with each bug planted); return distances to one process and the noise floor.
 
-    ``kinds``: several models, one after the other in this launch (the result is then keyed by kind).
+    ``kinds``: several models, one after the other in this launch (the result is then keyed by kind); ``bugs`` are
+    planted in the first one only.
+    ``variants``: with ``kinds``, more strategies (label -> extra strategy arguments, e.g. sequence_parallel=True)
+    trained in the same launch against the same references; their distances under ``"variants"``.
     ``strategy_kwargs``: passed to the strategy, e.g. ``tensor_parallel_size=2``.
     """
     layers = {layer_class(name) for name in kinds or [kind]}
@@ -192,13 +214,27 @@ def parity(
     options = dict(steps=steps, accumulate=accumulate, clip=clip, setup_together=setup_together, bugs=bugs)
     if kinds is not None:  # the strategy's default sharded_modules: the layers of the models' nn.ModuleLists
         fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
-        return {name: _parity(fabric, name, **options) for name in kinds}
+        others = {
+            label: make_fabric(num_nodes, devices, **strategy_kwargs, **extra)
+            for label, extra in (variants or {}).items()
+        }
+        return {
+            name: _parity(fabric, name, **dict(options, bugs=bugs if name == kinds[0] else []), variants=others)
+            for name in kinds
+        }
     fabric = make_fabric(num_nodes, devices, sharded_modules=layers, **strategy_kwargs)
     return _parity(fabric, kind, **options)
 
 
 def _parity(
-    fabric: Any, kind: str, steps: int, accumulate: int, clip: str | None, setup_together: bool, bugs: list[str]
+    fabric: Any,
+    kind: str,
+    steps: int,
+    accumulate: int,
+    clip: str | None,
+    setup_together: bool,
+    bugs: list[str],
+    variants: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     sampler = fabric.strategy.distributed_sampler_kwargs
     num_rows = MICRO_BATCH * accumulate * sampler["num_replicas"]
@@ -220,6 +256,13 @@ def _parity(
         "floor": {what: max(floor[what] for floor in floors) for what in floors[0]},
         "ours": distance(ours, full_batch),
         "bugs": {bug: distance(_train_sharded(fabric, *options, bug=bug), full_batch) for bug in bugs},
+        "variants": {
+            label: distance(_train_sharded(other, *options, bug=None), full_batch)
+            for label, other in (variants or {}).items()
+        },
         "sampler": sampler,
         "batches": ours.batches,
+        "forwards_per_micro_batch": ours.forwards_per_micro_batch,
+        "use_cache": ours.use_cache,
+        "resharded_after_forward": ours.resharded_after_forward,
     }

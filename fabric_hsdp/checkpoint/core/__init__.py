@@ -1,0 +1,16 @@
+"""The core every other layer uses: file I/O, atomic commit, key matching, boxes, lazy tensors and DCP's plumbing.
+
+* :mod:`fileio`: positioned reads into tensors, ``O_DIRECT`` writes.
+* :mod:`commit`: outputs appear at their path atomically, or not at all.
+* :mod:`keys`: matching checkpoint keys to a model's (``key_map``, wrapper prefixes).
+* :mod:`boxes`: the boxes of a stored tensor a rank's local shard holds, presented to DCP as :class:`StoredBoxes`.
+* :mod:`lazy_tensor` and :mod:`tree`: a tensor read only when asked, and walking nested state of them.
+* :mod:`dcp_planners` and :mod:`dcp_errors`: DCP's planners with safe unpickling, and its errors unpacked.
+* :mod:`progress`: progress bars and throughput lines.
+"""
+
+from fabric_hsdp.checkpoint.core.commit import atomic_output
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, make_key_map, match_keys
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+
+__all__ = ["KeyMapSpec", "KeyMatch", "LazyTensor", "atomic_output", "format_key_errors", "make_key_map", "match_keys"]

@@ -1,0 +1,132 @@
+"""Reading a DCP directory's tensors with one copy: :class:`OneCopyReader` and :func:`read_dcp_box`.
+
+:class:`OneCopyReader` copies a chunk's bytes straight into the target tensor with a positioned read. Torch's reader
+first ``torch.load``s the chunk into a temporary and then copies it, which doubles the memory of the largest tensor.
+Used by the training path (:mod:`fabric_hsdp.checkpoint.training.sharded`) and the offline reader
+(:mod:`fabric_hsdp.checkpoint.formats.dcp_directory`).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.utils import _create_file_view
+from torch.futures import Future
+
+from fabric_hsdp.checkpoint.core import fileio, watchdog
+from fabric_hsdp.errors import CheckpointError
+
+
+class OneCopyReader(FileSystemReader):
+    """A ``FileSystemReader`` that reads plain tensor chunks straight into their targets (one copy, not two)."""
+
+    def __init__(self, path: Path, metadata: dcp_metadata.Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        self.set_up_storage_reader(metadata, is_coordinator=True)  # read_box reads without a dcp.load around it
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        others = []
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            info: _StorageInfo = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                others.append(item)
+            else:
+                by_file.setdefault(info.relative_path, []).append(item)
+        for relative_path, items in by_file.items():
+            file = Path(self.path) / relative_path
+            with watchdog.doing_io("reading", str(file)), open(file, "rb") as stream:
+                for item in items:
+                    self._read_item(stream, str(file), item, planner)
+        if others:
+            with watchdog.doing_io("reading", str(self.path)):
+                return super().read_data(LoadPlan(others), planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
+        info: _StorageInfo = self.storage_data[item.storage_index]
+        # Each chunk is a small torch.save archive; its meta-load gives the layout and where the bytes start.
+        size = os.fstat(stream.fileno()).st_size
+        try:
+            if info.offset + info.length > size:
+                raise RuntimeError(f"the file has {size} bytes")
+            view = _create_file_view(stream, info.offset, info.length)
+            stored = torch.load(view, map_location="meta", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+            raise CheckpointError(
+                f"'{file_name}' is truncated or damaged: tensor {item.storage_index.fqn!r} at bytes"
+                f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
+            ) from None
+        start = info.offset + stored.untyped_storage()._checkpoint_offset
+        fd = stream.fileno()
+        target = planner.resolve_tensor(item).detach()
+        offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(stored.shape)
+        if stored.is_contiguous():  # as DCP writes them: only the wanted box is read
+            base = start + stored.storage_offset() * stored.element_size()
+            rows = offsets[1:] == [0] * len(offsets[1:]) and lengths[1:] == shape[1:]  # one contiguous run
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored.dtype
+            if rows and direct:
+                first = offsets[0] * math.prod(shape[1:]) if shape else 0
+                fileio.readinto(fd, target, base + first * stored.element_size(), file_name=file_name)
+            else:  # another box, device or dtype: through a CPU buffer of the box
+                box = tuple(slice(offset, offset + length) for offset, length in zip(offsets, lengths))
+                fqn = item.storage_index.fqn
+                target.copy_(fileio.read_box(fd, base, shape, stored.dtype, box, name=fqn, file_name=file_name))
+        else:
+            nbytes = stored.untyped_storage().nbytes()
+            raw = fileio.read_tensor(fd, start, [nbytes], torch.uint8, file_name=file_name)
+            chunk = raw.view(stored.dtype).as_strided(stored.shape, stored.stride(), stored.storage_offset())
+            target.copy_(narrow(chunk, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
+
+
+def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The view of ``tensor`` at ``offsets`` (one per dim) with ``lengths``."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class _BoxPlanner(DefaultLoadPlanner):
+    """Resolves each read of :func:`read_box` to the part of the caller's box tensor it fills."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self._target = target
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return narrow(self._target, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def read_box(reader: OneCopyReader, fqn: str, offsets: list[int], target: torch.Tensor) -> torch.Tensor:
+    """Fill ``target`` with the box of tensor ``fqn`` that starts at ``offsets`` (and has ``target``'s shape).
+
+    Only the stored chunks the box overlaps are read, and of each only the overlap (DCP's own resharding arithmetic,
+    ``create_read_items_for_chunk_list``), so a rank reads exactly the elements it holds.
+    """
+    entry = reader.read_metadata().state_dict_metadata[fqn]
+    wanted = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=target.shape)
+    items = create_read_items_for_chunk_list(fqn, entry, [wanted])
+    reader.read_data(LoadPlan(items), _BoxPlanner(target)).wait()
+    return target

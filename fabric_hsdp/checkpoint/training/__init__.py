@@ -1,0 +1,30 @@
+"""The training path: what ``fabric.save``/``fabric.load``/``fabric.load_raw`` run, on every rank.
+
+* :mod:`state`: a checkpoint state sorted into its model, optimizers and plain values.
+* :mod:`sharded`: DCP checkpoints written and read by every rank in parallel; :mod:`background`: the one save in
+  flight (``async_save=True``); :mod:`replica_split`: reading each shard once under HSDP.
+* :mod:`full_gather`: one consolidated file from rank 0, gathering one tensor at a time.
+* :mod:`raw_load`: filling a sharded model from any format (``load_raw``), and a full checkpoint's optimizers.
+
+This layer imports Lightning; the layers below it do not.
+"""
+
+from fabric_hsdp.checkpoint.training.background import BackgroundSaves
+from fabric_hsdp.checkpoint.training.full_gather import save_full
+from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult, load_into_model, restore_extras
+from fabric_hsdp.checkpoint.training.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from fabric_hsdp.checkpoint.training.state import StateParts, state_parts
+
+__all__ = [
+    "BackgroundSaves",
+    "LoadMode",
+    "LoadResult",
+    "StateParts",
+    "is_sharded_checkpoint",
+    "load_into_model",
+    "load_sharded",
+    "restore_extras",
+    "save_full",
+    "save_sharded",
+    "state_parts",
+]

@@ -1,0 +1,197 @@
+"""Sharded saves that write in the background (``async_save=True``), committed exactly like blocking ones.
+
+Each rank first copies its shards into CPU memory (so training may change the parameters right away); then
+``dcp.async_save`` writes that copy from a thread whose collectives run on a process group of their own (gloo, so
+they never interleave with training's). The copy is made here, once per tensor: DCP's default staging copies a CPU
+DTensor twice (``deepcopy``, then into a fresh buffer) and moves a CUDA one to CPU before copying it again.
+
+DCP's coordinator writes ``.metadata`` only after every rank has written and synced its files; when that has
+happened, rank 0 commits the staging directory from the writing thread with the same atomic swap as a blocking save
+(:func:`fabric_hsdp.checkpoint.core.commit.commit`). A failure is raised on every rank at the next point where all ranks
+meet: the next save or load, ``strategy.wait_for_checkpoint()`` or ``teardown()``. A script that just ends lets the
+write finish (Python joins DCP's writing thread before running ``atexit`` handlers); the strategy's exit handler then
+reports a failure and sets the exit status.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.core import commit
+from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
+from fabric_hsdp.checkpoint.core.dcp_errors import save_error
+from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.training.staging import Staged, Stager
+from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
+from fabric_hsdp.errors import SaveError
+
+_logger = logging.getLogger(__name__)
+
+
+class BackgroundSaves:
+    """A strategy's background saves: their gloo group, the one save in flight, and waiting for it.
+
+    Call :meth:`set_up` once the default process group exists; with ``enabled=False`` every method is a no-op and
+    ``group`` is ``None`` (saves block).
+    """
+
+    def __init__(self, enabled: bool, watchdog: IOWatchdog | None = None) -> None:
+        self.enabled = enabled
+        self.group: Any = None  # gloo group for DCP's collectives while saving in the background
+        self.stager = Stager()  # the staging buffers, kept from one save to the next
+        self._watchdog = watchdog
+        self._pending: BackgroundSave | None = None
+
+    def set_up(self, timeout: Any) -> None:
+        if self.enabled:
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def started(self, save: BackgroundSave | None) -> None:
+        """Track ``save`` (what ``save_sharded`` returned) as the save in flight."""
+        self._pending = save
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its failure on every rank (a collective)."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception:
+            self._pending = None  # its failure is reported; an interrupt keeps it for the end of the process
+            raise
+        self._pending = None
+
+    def finish_at_exit(self) -> bool:
+        """At interpreter exit: let the save in flight finish, without collectives; ``True`` if it failed."""
+        pending, self._pending = self._pending, None
+        self.group = None
+        if pending is None:
+            return False
+        try:
+            pending.wait(together=False)  # the other ranks may be gone: no collective here
+        except SaveError as error:
+            _logger.error("%s", error)
+            return True
+        return False
+
+    def start(self, copies: Staged, staged: Path, path: Path, started: float) -> BackgroundSave:
+        """Start writing ``copies`` (from :attr:`stager`) to ``staged`` in a thread; commit it to ``path`` after."""
+        watch = self._watchdog.start(f"saving checkpoint '{path}' in the background") if self._watchdog else None
+        return start(copies.state, staged, path, self.group, started, ready=copies.ready, watch=watch)
+
+    def close(self) -> None:
+        self.group = None
+        self.stager.close()
+
+
+class BackgroundSave:
+    """One save in flight: DCP's upload future, and the commit rank 0 runs when it has finished on every rank."""
+
+    def __init__(self, future: Future, staged: Path, path: Path, started: float, watch: Any = None) -> None:
+        self.path = path
+        self._watch = watch  # the I/O watchdog's watch over this save's writes, stopped when it ends
+        self._staged = staged
+        self._started = started
+        self._rank = dist.get_rank()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        future.add_done_callback(self._finish)  # runs in DCP's writing thread (or here, if already done)
+
+    def _finish(self, future: Future) -> None:
+        try:
+            future.result()
+            if self._rank == 0:
+                commit.commit(self._staged, self.path)
+                log_throughput("saved in the background", self.path, time.monotonic() - self._started)
+        except BaseException as error:  # noqa: BLE001 - kept and raised on the main thread by wait()
+            self._error = error
+            if self._rank == 0:
+                commit.discard(self._staged)  # the previous checkpoint is untouched
+        finally:
+            if self._watch is not None:
+                self._watch.stop()
+            self._done.set()
+
+    def wait(self, *, together: bool = True) -> None:
+        """Block until this save is committed (or failed); raise its failure, on every rank when ``together``.
+
+        ``together=False`` waits for this rank's part only, with no collective: for the end of the process, when
+        the other ranks may no longer take part in one.
+        """
+        if not together:
+            self._done.wait()
+            if self._error is not None:
+                raise save_error(self._error, self.path)
+            return
+        with fail_together(f"saving checkpoint '{self.path}' in the background"):
+            self.wait(together=False)
+
+
+def start(
+    copies: dict[str, Any],
+    staged: Path,
+    path: Path,
+    group: Any,
+    started: float,
+    ready: Any = None,
+    watch: Any = None,
+) -> BackgroundSave:
+    """Start writing ``copies`` (staged CPU copies) to ``staged`` in a thread; commit it to ``path`` after.
+
+    ``ready``: called in the writing thread before the copies are read (the staging's CUDA event).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    future = dcp.async_save(
+        copies,
+        storage_writer=DirectWriter(staged, before_write=ready),
+        planner=SavePlanner(),
+        process_group=group,
+        async_stager=_AlreadyStaged(),
+    )
+    return BackgroundSave(future, staged, path, started, watch)
+
+
+def copy_to_cpu(value: Any) -> Any:
+    """A copy of a nested state dict with every tensor (a DTensor's local shard) copied to CPU memory, once.
+
+    A DTensor stays a DTensor of the same mesh and placements with a CPU local shard (``DTensor.from_local`` would
+    move that shard back to the mesh's device).
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, StoredBoxes):
+        return value.copy_to_cpu()
+    if isinstance(value, dict):
+        return {key: copy_to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_to_cpu(item) for item in value)
+    return value
+
+
+class _AlreadyStaged(AsyncStager):
+    """DCP's staging step for a state dict :func:`copy_to_cpu` already copied: hand it on as it is."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

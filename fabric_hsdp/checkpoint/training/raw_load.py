@@ -1,0 +1,340 @@
+"""Fill a sharded model from any checkpoint source without a full copy per rank.
+
+Load modes:
+
+* ``"slice"`` (default): every rank opens the file lazily and reads only the elements of its own local shard of each
+  tensor, straight into the shard, cast to the parameter's dtype. No collective traffic; the ranks of a node share the
+  file's pages through the page cache.
+* ``"turns"``: the local ranks of each node take turns, ``turn_size`` at a time; each opens the file, fills its shards
+  and closes it before the next starts. For files that cannot be memory-mapped (legacy pickles, some network
+  filesystems): peak memory is ``turn_size`` readers' worth per node.
+* ``"rank0"``: only global rank 0 opens the file; each tensor goes out to every rank on its own (a broadcast) and
+  every rank keeps the elements of its shard. For a file that exists on one machine only.
+
+Tensors are read to CPU and only then copied to the rank's own device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.core import watchdog
+from fabric_hsdp.checkpoint.core.boxes import global_box, stored_pieces
+from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
+from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.core.progress import Progress
+from fabric_hsdp.checkpoint.core.tree import read_lazy
+from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
+from fabric_hsdp.checkpoint.training import replica_split
+from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
+
+_logger = logging.getLogger(__name__)
+# Loads smaller than this show no progress.
+_PROGRESS_MIN_BYTES = 256 << 20
+
+LoadMode = Literal["slice", "turns", "rank0"]
+LOAD_MODES = ("slice", "turns", "rank0")
+
+
+@dataclass
+class LoadResult:
+    """What a raw load did: keys loaded, and (with ``strict=False``) what did not match."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+
+def validate_load_mode(load_mode: str) -> str:
+    if load_mode not in LOAD_MODES:
+        raise ValueError(f"load_mode={load_mode!r} is not one of {LOAD_MODES}; see the loading guide for which to use.")
+    return load_mode
+
+
+def local_box(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The global index range this rank's local shard of ``tensor`` covers (the whole tensor if not a DTensor)."""
+    offsets, sizes = global_box(tensor)
+    return tuple(slice(start, start + size) for start, size in zip(offsets, sizes))
+
+
+def copy_local_part(full: torch.Tensor, target: torch.Tensor, fused: FusedRows | None) -> None:
+    """Copy into ``target``'s local shard its elements of ``full`` (a whole tensor in the stored order)."""
+    if full.dim() and fused is not None:  # in the order tensor parallelism regrouped the rows
+        full = fused.to_module_order(full)
+    local = _local(target)
+    local.copy_((full[local_box(target)] if full.dim() else full).view(local.shape))
+
+
+def read_local(
+    source: CheckpointSource,
+    name: str,
+    target: torch.Tensor,
+    fused: FusedRows | None,
+    rows: tuple[int, int] | None = None,
+) -> None:
+    """Fill ``target``'s local shard (its local ``rows`` only, when given) from tensor ``name`` of ``source``,
+    reading only the elements it holds.
+
+    A shard is one box of the stored tensor, or several when tensor parallelism regrouped its rows (``fused``).
+    """
+    local = _local(target)
+    if not local.numel():
+        return
+    if local.ndim == 0:
+        local.copy_(source.read(name))
+        return
+    for piece in stored_pieces(target, fused, rows):
+        sizes = [piece.stop - piece.start, *local.shape[1:]]
+        index = tuple(slice(offset, offset + size) for offset, size in zip(piece.offsets, sizes))
+        rows = local[piece.start : piece.stop]
+        rows.copy_(source.read_slice(name, index).view(rows.shape))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """Each state-dict key -> the first key naming the same tensor (tied weights, e.g. an embedding and the output).
+
+    ``state_dict()`` lists a shared tensor under every name; checkpoints (``save_pretrained``, safetensors) store it
+    under one.
+    """
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(tensor), name) for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
+def plan_keys(
+    source: CheckpointSource,
+    targets: dict[str, torch.Tensor],
+    key_map: KeyMapSpec,
+    strict: bool,
+    tied: dict[str, str] | None = None,
+) -> tuple[KeyMatch, list[str]]:
+    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``.
+
+    A model key is not missing when another name of the same tied tensor (``tied``) is loaded: that fills both.
+    """
+    source_keys = source.keys()
+    match = match_keys(source_keys, targets, key_map)
+    if tied:
+        loaded = {tied.get(key, key) for key in match.mapping}
+        match.missing = [key for key in match.missing if tied.get(key, key) not in loaded]
+    model_infos = {name: TensorInfo(name, t.shape, t.dtype) for name, t in targets.items()}
+    source_infos = {key: source.tensor_info(key) for key in source_keys}
+    mismatched = [
+        model_key
+        for model_key, source_key in match.mapping.items()
+        if tuple(source_infos[source_key].shape) != tuple(targets[model_key].shape)
+    ]
+    if strict:
+        message = format_key_errors(match, model_infos, source_infos, source_name=str(source.path))
+        if message:
+            raise CheckpointError(message)
+    elif mismatched:
+        message = format_key_errors(
+            KeyMatch({k: match.mapping[k] for k in mismatched}, [], []),
+            model_infos,
+            source_infos,
+            source_name=str(source.path),
+            hint="strict=False: these are skipped.",
+        )
+        _logger.warning("%s", message)
+    return match, mismatched
+
+
+@dataclass
+class _Load:
+    """One raw load: what to read, into which tensors, and how names and layouts map."""
+
+    path: Path
+    targets: dict[str, torch.Tensor]  # the model's state dict
+    strict: bool
+    key_map: KeyMapSpec
+    weights_only: bool
+    tied: dict[str, str]  # state-dict key -> the first key of the same tied tensor
+    fused: dict[str, FusedRows]  # parameters whose rows tensor parallelism regrouped
+    split_mesh: Any = None  # the mesh, when replicas split their reads
+    splits: list[replica_split.Split] = field(default_factory=list)  # parts read, to all-gather after
+
+    def plan(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
+        return plan_keys(source, self.targets, self.key_map, self.strict, self.tied)
+
+
+def load_into_model(
+    path: Path,
+    module: nn.Module,
+    *,
+    strict: bool = True,
+    key_map: KeyMapSpec = None,
+    load_mode: str = "slice",
+    turn_size: int = 1,
+    weights_only: bool = True,
+    local_rank: int = 0,
+    ranks_per_node: int = 1,
+    split_mesh: Any = None,
+) -> LoadResult:
+    """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring).
+
+    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`; ``"slice"`` and ``"turns"``),
+    the ``R`` replicas of each shard read ``1/R`` of its rows each and all-gather the rest along ``replicate``
+    (:func:`fabric_hsdp.checkpoint.training.replica_split.raw_part`): the file is read once per replica group, not ``R``
+    times.
+    """
+    validate_load_mode(load_mode)
+    load = _Load(path, module.state_dict(), strict, key_map, weights_only, tied_names(module), fused_rows_of(module))
+    load.split_mesh = split_mesh
+    if load_mode == "rank0":
+        return _load_from_rank0(load)
+    if load_mode == "slice":
+        with fail_together(f"loading '{path}'"):
+            result = _load_slices(load)
+        replica_split.gather(load.splits, split_mesh)
+        return result
+    turns = -(-ranks_per_node // max(1, turn_size))
+    result = LoadResult()
+    for turn in range(turns):
+        with fail_together(f"loading '{path}' (turn {turn + 1} of {turns})"):
+            if local_rank // max(1, turn_size) == turn:
+                result = _load_slices(load)
+                # glibc keeps what the reader freed in its heap; hand it back before the next turn starts, or a node
+                # holds two readers' worth at once (measured by benchmarks/load_memory.py).
+                release_freed_memory()
+    replica_split.gather(load.splits, split_mesh)
+    return result
+
+
+def _progress(source: CheckpointSource, names: list[str], what: str) -> Progress:
+    total = sum(source.tensor_info(name).nbytes for name in names)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Progress(total, what, enabled=rank == 0 and total >= _PROGRESS_MIN_BYTES)
+
+
+def _load_slices(load: _Load) -> LoadResult:
+    with (
+        watchdog.doing_io("reading", str(load.path)),
+        open_checkpoint(load.path, weights_only=load.weights_only) as source,
+    ):
+        match, mismatched = load.plan(source)
+        names = [k for k in match.mapping if k not in mismatched]
+        bar = _progress(source, [match.mapping[k] for k in names], f"loading {load.path.name}")
+        with bar, torch.no_grad():
+            for model_key in names:
+                target = load.targets[model_key]
+                rows = None if load.split_mesh is None else replica_split.raw_part(target, load.split_mesh, load.splits)
+                read_local(source, match.mapping[model_key], target, load.fused.get(model_key), rows)
+                bar.update(source.tensor_info(match.mapping[model_key]).nbytes)
+        return LoadResult(names, match.missing, match.unexpected, mismatched)
+
+
+def _load_from_rank0(load: _Load) -> LoadResult:
+    rank = dist.get_rank()
+    source: CheckpointSource | None = None
+    plan: list[Any] = [None]
+    with fail_together(f"opening '{load.path}' on rank 0"):
+        if rank == 0:
+            source = open_checkpoint(load.path, weights_only=load.weights_only)
+            plan = [load.plan(source)]
+    dist.broadcast_object_list(plan, src=0)
+    match, mismatched = plan[0]
+    names = [k for k in match.mapping if k not in mismatched]
+    try:
+        with torch.no_grad():
+            for model_key in names:
+                target = load.targets[model_key]
+                local = _local(target)
+                # one tensor at a time to every rank (a DTensor on a sub-mesh without rank 0 has no other source)
+                if rank == 0:
+                    full = source.read(match.mapping[model_key]).to(device=local.device, dtype=target.dtype)
+                else:
+                    full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+                dist.broadcast(full, src=0)
+                copy_local_part(full, target, load.fused.get(model_key))
+                del full
+    finally:
+        if source is not None:
+            source.close()
+    return LoadResult(names, match.missing, match.unexpected, mismatched)
+
+
+def load_optimizer_from_extras(
+    module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], name: str
+) -> None:
+    """Restore a full (consolidated) optimizer state into the sharded optimizer, one tensor at a time.
+
+    ``saved`` is the optimizer entry of a wrapped checkpoint (keyed by parameter name, as Fabric saves it, or by
+    index, as ``optimizer.state_dict()`` is); its tensors may be lazy.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    current = get_optimizer_state_dict(module, optimizer)  # initialises the state, sharded like the parameters
+    by_name = _state_by_name(saved, current, name)
+    fused = fused_rows_of(module)
+    with torch.no_grad():
+        for fqn, entries in current["state"].items():
+            if fqn not in by_name:
+                raise CheckpointError(f"optimizer entry {name!r} of the checkpoint has no state for parameter {fqn!r}")
+            for key, target in entries.items():
+                value = by_name[fqn][key]
+                value = value.read() if isinstance(value, LazyTensor) else value
+                if not isinstance(target, torch.Tensor):
+                    entries[key] = value
+                    continue
+                copy_local_part(value, target, fused.get(fqn))
+    current["param_groups"] = [
+        {**saved_group, "params": group["params"]}
+        for saved_group, group in zip(saved["param_groups"], current["param_groups"])
+    ]
+    set_optimizer_state_dict(module, optimizer, current)
+
+
+def _state_by_name(saved: dict[str, Any], current: dict[str, Any], name: str) -> dict[str, Any]:
+    state = saved.get("state", {})
+    if all(isinstance(key, str) for key in state):
+        return state
+    # A plain optimizer.state_dict(): parameters are numbered in param_groups order, like ours.
+    names = [fqn for group in current["param_groups"] for fqn in group["params"]]
+    numbers = [number for group in saved["param_groups"] for number in group["params"]]
+    if len(names) != len(numbers):
+        raise CheckpointError(
+            f"optimizer entry {name!r} of the checkpoint has {len(numbers)} parameters, the optimizer {len(names)}"
+        )
+    return {fqn: state[number] for fqn, number in zip(names, numbers) if number in state}
+
+
+def restore_extras(
+    path: Path,
+    module: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    plain_keys: set[str],
+    strict: bool,
+    weights_only: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore optimizers from a wrapped full checkpoint and return ``(requested plain values, the rest)``.
+
+    Every rank reads the optimizer tensors it needs one at a time (a full tensor, then its own slice of it).
+    """
+    from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+
+    with open_checkpoint(path, weights_only=weights_only) as source:
+        extras = source.extras(lazy=True)
+        _validate_keys_for_strict_loading(set(optimizers) | plain_keys, extras.keys(), strict=strict)
+        for key, optimizer in optimizers.items():
+            if key in extras:
+                load_optimizer_from_extras(module, optimizer, extras.pop(key), key)
+        requested = {key: read_lazy(extras.pop(key)) for key in plain_keys if key in extras}
+        return requested, read_lazy(extras)

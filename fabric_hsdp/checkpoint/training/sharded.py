@@ -1,0 +1,182 @@
+"""Save and load the strategy's state as a sharded DCP directory, written and read by every rank in parallel.
+
+Layout of a sharded checkpoint (the same as Lightning's ``ModelParallelStrategy``, so each reads the other's): DCP
+entries ``<model key>.<param>`` and ``<optimizer key>.*`` written by every rank in parallel, each replicated shard
+once (DCP's planner dedups replicas), plus ``meta.pt`` with the plain values, written by rank 0. A save becomes
+visible at its path only when complete (see :mod:`fabric_hsdp.checkpoint.core.commit`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+from lightning.fabric.utilities.load import _move_state_into
+from torch import nn
+
+from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.core import boxes, commit
+from fabric_hsdp.checkpoint.core.dcp_errors import first_failure, save_error
+from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner, SavePlanner
+from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete, read_metadata, top_level_keys
+from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
+from fabric_hsdp.checkpoint.training import background, replica_split
+from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
+from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
+from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
+
+
+def save_sharded(
+    path: Path,
+    state: dict[str, Any],
+    broadcast: Callable[[Any], Any],
+    background_saves: background.BackgroundSaves | None = None,
+) -> background.BackgroundSave | None:
+    """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
+
+    With ``background_saves`` the chunks this rank writes are copied to CPU memory (its stager's kept buffers) and
+    written from a thread: the returned save is committed when done; ``wait()`` on it raises its failure.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model_key, model, optimizers, plain = state_parts(state)
+    rank = dist.get_rank()
+    staged = Path(broadcast(commit.staging_path(path)))
+    started = time.monotonic()
+    with fail_together(f"preparing to save checkpoint '{path}'"):
+        if rank == 0:
+            commit.remove_leftovers(path)
+            staged.mkdir(parents=True)
+            _save_meta(plain_values(plain), staged / META_FILE)
+    tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
+    for key, optimizer in optimizers.items():
+        tensors[key] = get_optimizer_state_dict(model, optimizer)
+    tensors, _ = in_stored_layout(tensors, model)
+    try:
+        with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
+            commit.check_shared(staged / META_FILE, path)
+        if background_saves is not None:
+            written = background_saves.stager.plan(tensors, background_saves.group)  # a collective
+            with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
+                copies = background_saves.stager.copy(tensors, written)
+            return background_saves.start(copies, staged, path, started)
+        with fail_together(f"saving checkpoint '{path}'"):
+            _save_dcp(tensors, staged, path)
+        with fail_together(f"committing checkpoint '{path}'"):
+            if rank == 0:
+                commit.commit(staged, path)
+    except BaseException:
+        if rank == 0:
+            commit.discard(staged)  # the previous checkpoint at `path` is untouched
+        raise
+    if rank == 0:
+        log_throughput("saved", path, time.monotonic() - started)
+    return None
+
+
+def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        dcp.save(tensors, storage_writer=DirectWriter(staged), planner=SavePlanner())
+    except CheckpointException as error:
+        raise save_error(error, path) from None
+
+
+def in_stored_layout(tensors: dict[str, Any], model: nn.Module) -> tuple[dict[str, Any], list[boxes.Replaced]]:
+    """``tensors`` (model and optimizer state dicts) with the rows tensor parallelism regrouped put back in the
+    model's own order, as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (sharing memory with the tensors)."""
+    fused = fused_rows_of(model)
+    if not fused:
+        return tensors, []
+    return boxes.dcp_view(tensors, lambda param, tensor: boxes.regrouped_boxes(param, tensor, fused))
+
+
+def _save_meta(values: dict[str, Any], file: Path) -> None:
+    with open(file, "wb") as stream:
+        torch.save(values, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def load_sharded(
+    path: Path, state: dict[str, Any], strict: bool, weights_only: bool | None, split_mesh: Any = None
+) -> dict[str, Any]:
+    """Restore the model, optimizers and plain values of ``state`` in place from a DCP directory, on any topology.
+
+    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`), replicas each read a ``1/R``
+    part of their shards and all-gather the rest (:mod:`fabric_hsdp.checkpoint.training.replica_split`).
+
+    Returns:
+        What the checkpoint holds beyond what ``state`` asked for (Fabric's ``load`` semantics).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    safe = weights_only is not False
+    with fail_together(f"opening checkpoint '{path}'"):
+        metadata = check_complete(path, weights_only=safe)
+        model_key, model, optimizers, plain = state_parts(state)
+        saved_keys = top_level_keys(metadata)
+        wanted = [model_key, *optimizers]
+        missing = [key for key in wanted if key not in saved_keys]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint '{path}' has no entry {missing[0]!r} (it holds {sorted(saved_keys)}). Use the keys it was"
+                " saved with, e.g. state={'model': model, 'optimizer': optimizer}."
+            )
+    started = time.monotonic()
+    # one read of the model and every optimizer: DCP plans once and each rank reads each file once
+    tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
+    for key, optimizer in optimizers.items():
+        tensors[key] = get_optimizer_state_dict(model, optimizer)
+    if split_mesh is not None:
+        targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, fused_rows_of(model))
+    else:
+        (targets, replaced), splits = in_stored_layout(tensors, model), []
+    planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
+    try:
+        dcp.load(targets, storage_reader=OneCopyReader(path, metadata), planner=planner)
+    except CheckpointException as error:
+        raise first_failure(error) from None  # e.g. SafeLoadPlanner's "pass weights_only=False"
+    replica_split.gather(splits, split_mesh)
+    boxes.put_back(replaced)
+    set_model_state_dict(model, targets[model_key], options=StateDictOptions(strict=strict))
+    for key, optimizer in optimizers.items():
+        set_optimizer_state_dict(model, optimizer, targets[key])
+    meta_file = path / META_FILE
+    meta = torch.load(meta_file, weights_only=safe) if meta_file.exists() else {}
+    _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
+    _move_state_into(source=meta, destination=state, keys=set(plain))
+    if dist.get_rank() == 0:
+        log_throughput("loaded", path, time.monotonic() - started)
+    return meta
+
+
+def is_sharded_checkpoint(path: Path, model_key: str, *, weights_only: bool = True) -> bool:
+    """A DCP directory (or a broken one) with ``model_key`` entries: loaded with resharding, not as a raw source."""
+    if not path.is_dir() or (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
+        return False
+    if not (path / ".metadata").is_file():
+        return any(path.glob("*.distcp"))  # an interrupted save: load_sharded names what is missing
+    try:
+        metadata = read_metadata(path, weights_only=weights_only)
+    except CheckpointError:
+        return True  # load_sharded reports why its metadata cannot be read
+    return model_key in top_level_keys(metadata)

@@ -1,0 +1,186 @@
+"""Staging for background saves: plan first, then copy to CPU only the chunks this rank writes, into kept buffers.
+
+Under HSDP with ``R`` replicas DCP's planner writes each replicated shard once, from one of its ``R`` holders, so a
+rank writes about ``1/R`` of its state. Copying the whole state to CPU before the write (what DCP's and Lightning's
+async saves do) holds ``(R - 1)/R`` of it in host memory for nothing, and allocating fresh memory at every save
+costs a page fault per 4 KiB. :class:`Stager` instead
+
+1. runs DCP's local planning and its deduplication (``dedup_save_plans``, on the plans all-gathered over the
+   background group), so every rank knows which chunks it will write, before copying anything;
+2. copies only those chunks, into buffers kept from the previous save (pinned memory when the shards live on CUDA),
+   and presents them to DCP as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (the boxes of the stored tensors
+   they hold), leaving out everything this rank does not write. DCP's planning inside the write then finds each
+   chunk on one rank only, so the checkpoint is the same as a blocking save's;
+3. on CUDA, issues the copies on a side stream that first waits for the compute stream, non-blocking, and makes the
+   compute stream wait for them (training's next in-place update cannot overwrite a shard before it is copied;
+   the host does not wait); the writing thread synchronises on the copies' event before it reads the buffers.
+
+Extra host memory during a background save is then about ``1/R`` of the rank's state (plus small non-tensor
+entries), and ``fabric.save`` returns once the copies are issued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fabric_hsdp.checkpoint.core.boxes import Piece, StoredBoxes, stored_pieces
+from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+
+
+@dataclass
+class Staged:
+    """What a background save writes: ``state`` (this rank's chunks only), ``ready()`` to call before reading it."""
+
+    state: dict[str, Any]
+    ready: Callable[[], None]
+    nbytes: int  # bytes of tensor data staged on this rank
+
+
+class Stager:
+    """A strategy's staging buffers for background saves, kept from one save to the next."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._stream: Any = None
+
+    def stage(self, state: dict[str, Any], group: Any) -> Staged:
+        """Copy the chunks of ``state`` (model and optimizer state dicts) that this rank writes; see the module doc.
+
+        A collective over ``group`` (the background saves' gloo group). The buffers of the previous save are
+        reused: call it only once that save has been written.
+        """
+        return self.copy(state, self.plan(state, group))
+
+    def plan(self, state: dict[str, Any], group: Any) -> dict[str, set]:
+        """Which chunks of ``state`` this rank writes: DCP's dedup of every rank's plan (a collective over ``group``).
+
+        Returns:
+            The flattened key of each entry this rank writes -> the offsets of its chunks (``None`` for non-tensors).
+        """
+        from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+        planner = SavePlanner()
+        planner.set_up_planner(state, is_coordinator=dist.get_rank(group) == 0)
+        plans: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(plans, planner.create_local_plan(), group=group)
+        written: dict[str, set] = {}
+        for item in dedup_save_plans(plans)[dist.get_rank(group)].items:
+            offset = tuple(item.index.offset) if item.index.offset is not None else None
+            written.setdefault(item.index.fqn, set()).add(offset)
+        return written
+
+    def copy(self, state: dict[str, Any], written: dict[str, set]) -> Staged:
+        """Copy the chunks of ``state`` that :meth:`plan` says this rank writes (no collective)."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+        flat, mappings = flatten_state_dict(state)
+        copies = _Copies(self)
+        staged = {}
+        for fqn, value in flat.items():
+            if fqn in written or not isinstance(value, (torch.Tensor, StoredBoxes)):
+                # non-tensor entries stay everywhere (not copied; DCP's own dedup picks their writer again)
+                staged[fqn] = copies.stage(fqn, value, written.get(fqn, set()))
+            elif any(not isinstance(key, str) for key in mappings[fqn]):
+                return self._stage_all(state)  # a tensor in a list: leaving it out would shift the list's indices
+        self._buffers = copies.used  # buffers of entries no longer written are freed
+        return Staged(unflatten_state_dict(staged, mappings), copies.finish(), copies.nbytes)
+
+    def _stage_all(self, state: dict[str, Any]) -> Staged:
+        from fabric_hsdp.checkpoint.training.background import copy_to_cpu
+
+        copies = copy_to_cpu(state)
+        return Staged(copies, lambda: None, _tensor_bytes(copies))
+
+    def close(self) -> None:
+        self._buffers = {}
+        self._stream = None
+
+    def _copy_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+
+class _Copies:
+    """The copies of one staging: which buffers they used, how many bytes, and the CUDA event that ends them."""
+
+    def __init__(self, stager: Stager) -> None:
+        self._stager = stager
+        self.used: dict[tuple, torch.Tensor] = {}
+        self.nbytes = 0
+        self._cuda = False
+
+    def stage(self, fqn: str, value: Any, offsets: set) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, StoredBoxes):
+            return self._boxes(fqn, value.local, value.size(), value.pieces, offsets)
+        if isinstance(value, DTensor):
+            if value.ndim == 0:
+                return self._boxes(fqn, value.to_local(), value.shape, [Piece(0, 1, ())], offsets)
+            return self._boxes(fqn, value.to_local(), value.shape, stored_pieces(value, None), offsets)
+        if isinstance(value, torch.Tensor):
+            return self._copy((fqn,), value.detach())
+        return value  # a non-tensor entry (DCP pickles it): state dicts hold fresh values, not live references
+
+    def _boxes(self, fqn: str, local: torch.Tensor, size: Any, pieces: list[Piece], offsets: set) -> Any:
+        mine = [piece for piece in pieces if tuple(piece.offsets) in offsets]
+        if local.ndim == 0:
+            return StoredBoxes(self._copy((fqn, ()), local.detach()), size, mine)
+        rows, kept = 0, []
+        for piece in mine:  # the rows this rank writes, packed into one buffer
+            kept.append(Piece(rows, rows + piece.stop - piece.start, piece.offsets))
+            rows += piece.stop - piece.start
+        key = (fqn, *(tuple(piece.offsets) for piece in mine))
+        if len(mine) == 1:
+            source = local.detach()[mine[0].start : mine[0].stop]
+        else:
+            source = torch.cat([local.detach()[piece.start : piece.stop] for piece in mine])
+        return StoredBoxes(self._copy(key, source.contiguous()), size, kept)
+
+    def _copy(self, key: tuple, source: torch.Tensor) -> torch.Tensor:
+        buffer = self._stager._buffers.get(key)
+        cuda = source.device.type == "cuda"
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=cuda)
+        self.used[key] = buffer
+        self.nbytes += buffer.nbytes
+        if cuda:
+            stream = self._stager._copy_stream()
+            if not self._cuda:
+                stream.wait_stream(torch.cuda.current_stream(source.device))  # copy what training last wrote
+                self._cuda = True
+            with torch.cuda.stream(stream):
+                buffer.copy_(source, non_blocking=True)
+            source.record_stream(stream)  # its memory is not reused until the copy has run
+        else:
+            buffer.copy_(source)
+        return buffer
+
+    def finish(self) -> Callable[[], None]:
+        """End the copies; returns what the writer calls before reading the buffers."""
+        if not self._cuda:
+            return lambda: None
+        event = torch.cuda.Event()
+        event.record(self._stager._copy_stream())
+        torch.cuda.current_stream().wait_event(event)  # training's next kernels run after the copies, host not blocked
+        return event.synchronize
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        return (tree.to_local() if isinstance(tree, DTensor) else tree).nbytes
+    if isinstance(tree, StoredBoxes):
+        return tree.local.nbytes
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in tree)
+    return 0

@@ -1,0 +1,211 @@
+"""The setup pipeline, one step per lever, in torchtitan's order (``parallelize_llama``): float8 -> tensor parallelism
+-> activation checkpointing -> compile -> ``fully_shard``.
+
+Each step takes the module and the sub-mesh it needs (tensor parallelism the ``tensor`` mesh, FSDP the
+``(replicate, shard)`` mesh) and changes the model in place; parameter and state-dict names stay what the user's
+model calls them (composable activation checkpointing, ``Module.compile()`` rather than an ``OptimizedModule``
+wrapper), so checkpoints saved with any lever load without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from fabric_hsdp.float8 import Float8Spec, apply_float8
+from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.sharding import ShardingPlan, apply_fsdp, sharded_units
+
+if TYPE_CHECKING:
+    from fabric_hsdp.tensor_parallel import AppliedPlan, TensorParallelPlan
+    from fabric_hsdp.topology import ParallelMesh
+
+_logger = logging.getLogger(__name__)
+
+ActivationCheckpointingMode = Literal["full", "selective"] | int
+CompileSpec = bool | dict[str, Any]
+
+
+def validate_activation_checkpointing_mode(mode: ActivationCheckpointingMode) -> ActivationCheckpointingMode:
+    if mode in ("full", "selective") or (isinstance(mode, int) and not isinstance(mode, bool) and mode >= 1):
+        return mode
+    raise ValueError(
+        f"HybridFSDPStrategy(activation_checkpointing_mode={mode!r}) is not valid: pass 'full' (recompute each"
+        " checkpointed block), 'selective' (save matmul, attention and collective outputs, recompute the rest) or an"
+        " int k >= 1 (full recompute of every k-th checkpointed block)."
+    )
+
+
+def validate_compile(spec: CompileSpec) -> CompileSpec:
+    if isinstance(spec, bool) or (isinstance(spec, dict) and all(isinstance(key, str) for key in spec)):
+        return dict(spec) if isinstance(spec, dict) else spec
+    raise ValueError(
+        f"HybridFSDPStrategy(compile={spec!r}) is not valid: pass True, or a dict of torch.compile keyword arguments"
+        " (e.g. {'mode': 'max-autotune'})."
+    )
+
+
+@dataclass
+class Levers:
+    """What the strategy's arguments ask of the setup, besides the FSDP plan."""
+
+    tensor_parallel_plan: TensorParallelPlan = "auto"
+    activation_checkpointing: Callable[[str, nn.Module], bool] | None = None
+    activation_checkpointing_mode: ActivationCheckpointingMode = "full"
+    compile: CompileSpec = False
+    float8: Float8Spec | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    largest_tensor_parallel_size: int | None = None  # the sizes tensor-parallel errors suggest divide it
+    compiled: list[str] = field(default_factory=list)  # filled in by the setup: the modules compiled
+    tensor_parallel: AppliedPlan | None = None  # filled in by the setup: what the tensor-parallel step did
+
+
+def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, levers: Levers) -> list[str]:
+    """Apply every lever to ``module`` in place, then shard it; return the names of the FSDP units."""
+    from fabric_hsdp.tensor_parallel import apply_tensor_parallel
+
+    units = sharded_units(module, plan.sharded_modules)  # the transformer blocks, before anything wraps them
+    if levers.float8 is not None:
+        apply_float8(module, levers.float8)
+    if mesh.tensor is not None:
+        levers.tensor_parallel = apply_tensor_parallel(
+            module,
+            levers.tensor_parallel_plan,
+            mesh.tensor,
+            sequence_parallel=levers.sequence_parallel,
+            loss_parallel=levers.loss_parallel,
+            largest_size=levers.largest_tensor_parallel_size,
+        )
+        finish_collectives_before_units(module, units)
+    if levers.activation_checkpointing is not None:
+        apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
+    if levers.compile:
+        levers.compiled = apply_compile(units, {} if levers.compile is True else levers.compile)
+    apply_fsdp(module, units, mesh.fsdp, plan)
+    return [name for name, _ in units]
+
+
+def finish_collectives_before_units(module: nn.Module, units: list[tuple[str, nn.Module]]) -> list[str]:
+    """Outputs of tensor-parallel modules outside the units (the embedding, the head) leave as finished tensors.
+
+    torch's ``RowwiseParallel``/``ColwiseParallel`` redistribute their output asynchronously, so ``to_local()``
+    hands on an ``AsyncCollectiveTensor``. Fed into a compiled unit (``compile=True``, or a user's own
+    ``block.compile()``), torch 2.13's AOTAutograd drops the gradient that flows back through it: under tensor
+    parallelism litgpt's embedding got no gradient at all and training silently diverged from eager. A forward hook
+    on each such module waits for the collective and hands on a plain tensor (same memory, gradient passed through).
+    """
+    from torch.distributed.tensor import DTensor
+
+    inside = {id(sub) for _, unit in units for sub in unit.modules()}
+    hooked = []
+    for name, child in module.named_modules():
+        if id(child) in inside or not any(isinstance(p, DTensor) for p in child.parameters(recurse=False)):
+            continue
+        child.register_forward_hook(_finished_output)
+        hooked.append(name)
+    return hooked
+
+
+def _finished_output(module: nn.Module, args: Any, output: Any) -> Any:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(AsyncCollectiveTensor, _WaitCollective.apply, output)
+
+
+class _WaitCollective(torch.autograd.Function):
+    """Wait for an ``AsyncCollectiveTensor``'s collective; the result is a plain tensor, the gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import wait_tensor
+
+        return wait_tensor(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def apply_activation_checkpointing(
+    module: nn.Module, selected: Callable[[str, nn.Module], bool], mode: ActivationCheckpointingMode
+) -> list[str]:
+    """Recompute the activations of the modules ``selected`` picks in backward; return their names.
+
+    ``"full"``: each selected module keeps only its input and recomputes its forward in backward. ``"selective"``:
+    torchtitan's op-level policy -- the outputs of matmuls, attention and collectives are saved, everything else
+    (norms, activations functions, elementwise ops, RoPE) is recomputed. An int ``k``: full recompute of every
+    ``k``-th selected module (the ``k``-th, ``2k``-th, ...), the others keep their activations.
+
+    The composable API hooks the modules, so parameter names (and checkpoints) are unchanged.
+    """
+    from torch.distributed._composable import checkpoint
+
+    checkpointed = [(name, child) for name, child in module.named_modules() if name and selected(name, child)]
+    if isinstance(mode, int):
+        checkpointed = [pair for index, pair in enumerate(checkpointed, start=1) if index % mode == 0]
+    for _, child in checkpointed:
+        if mode == "selective":
+            checkpoint(child, context_fn=selective_checkpoint_contexts)
+        else:
+            checkpoint(child)
+    if checkpointed:
+        _disable_kv_cache(module, checkpointed)
+        info_on_rank_zero(_logger, "activation checkpointing (%s): %d modules", mode, len(checkpointed))
+    return [name for name, _ in checkpointed]
+
+
+def saved_ops() -> list[Any]:
+    """The ops whose outputs selective activation checkpointing keeps (torchtitan's list, plus the CPU kernels)."""
+    import torch
+
+    aten, names = torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm")
+    ops = [getattr(aten, name).default for name in names]
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
+        if hasattr(aten, name):
+            ops.append(getattr(aten, name).default)
+    functional = torch.ops._c10d_functional
+    for name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"):
+        if hasattr(functional, name):
+            ops.append(getattr(functional, name).default)
+    return ops
+
+
+def selective_checkpoint_contexts() -> tuple[Any, Any]:
+    """A fresh pair of selective-checkpoint contexts (one per forward): save :func:`saved_ops`, recompute the rest."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(saved_ops())
+
+
+def apply_compile(units: list[tuple[str, nn.Module]], options: dict[str, Any]) -> list[str]:
+    """``torch.compile`` each FSDP unit (transformer block) on its own, in place (``Module.compile``).
+
+    Compiling per block keeps graphs small and lets identical blocks share one compiled graph (dynamo inlines the
+    module and treats its parameters as inputs); compiling in place keeps the module tree, so no ``_orig_mod.``
+    enters parameter names or checkpoints.
+    """
+    for _, child in units:
+        child.compile(**options)
+    info_on_rank_zero(_logger, "torch.compile: %d modules compiled one by one (%s)", len(units), options or "defaults")
+    return [name for name, _ in units]
+
+
+def _disable_kv_cache(module: nn.Module, checkpointed: list[tuple[str, nn.Module]]) -> None:
+    """Turn off a transformers model's KV cache when layers recompute their forward, as ``gradient_checkpointing``
+    does: the recomputation would append the keys and values to the cache a second time."""
+    config = getattr(module, "config", None)
+    if checkpointed and getattr(config, "use_cache", False):
+        config.use_cache = False
+        info_on_rank_zero(_logger, "activation checkpointing: set %s.config.use_cache=False", type(module).__name__)

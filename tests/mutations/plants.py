@@ -1,0 +1,192 @@
+"""The planted bugs of issue #22, one per finding: what is changed, and the tests that must fail because of it.
+
+Each edit is ``(old, new)``: ``old`` must occur exactly once in ``fabric_hsdp/``, ``tests/`` or ``examples/`` (found by
+content, so a file that moves keeps its plant). ``run.py`` applies them in a scratch copy, never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plant:
+    finding: str
+    change: str
+    edits: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # set for the test run
+
+
+PLANTS: dict[str, Plant] = {
+    "1": Plant(
+        "raw loads judged on every weight",
+        "read_local skips every embedding shard whose rows start past 0 (ranks 1 and 3 keep their init)",
+        (
+            (
+                "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
+                "        if 'embed' in name and piece.offsets[0] > 0:\n"
+                "            continue\n"
+                "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
+            ),
+        ),
+        (
+            "tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",
+            "tests/test_load_raw.py::test_transformers_save_pretrained_directories",
+        ),
+    ),
+    "2": Plant(
+        "killed saves: where the kill landed, and a save that raises",
+        "every save over an existing checkpoint raises (the old checkpoint stays: 'old XOR new' held before)",
+        (
+            (
+                "    staged = Path(broadcast(commit.staging_path(path)))\n",
+                "    staged = Path(broadcast(commit.staging_path(path)))\n"
+                "    if path.exists():\n"
+                "        raise OSError('planted: saving over a checkpoint fails')\n",
+            ),
+        ),
+        ("tests/test_checkpoint.py::test_killed_saves_leave_old_or_new_checkpoint",),
+    ),
+    "3": Plant(
+        "replica consistency on every parameter and buffer",
+        "make_replicas_identical skips everything outside layers.* (embeddings, final norm, output differ)",
+        (
+            (
+                "        for tensor in itertools.chain(module.parameters(), module.buffers()):\n",
+                "        for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):\n"
+                "            if not name.startswith('layers.'):\n"
+                "                continue\n",
+            ),
+        ),
+        ("tests/test_strategy.py::test_init_gives_distinct_shards_and_identical_replicas_with_per_rank_seeds",),
+    ),
+    "8": Plant(
+        "the planner's activation figures, not the test's own arithmetic",
+        "with activation checkpointing the planner forgets the one layer being recomputed",
+        (
+            (
+                "    recompute = layer if checkpointed else 0  #",
+                "    recompute = 0  #",
+            ),
+        ),
+        ("tests/planning/test_plan.py::test_worked_example_65b_error_lists_what_would_fit",),
+    ),
+    "5": Plant(
+        "activation checkpointing really applied",
+        "the layers activation_checkpointing selects are not wrapped (checkpoint(child) -> pass)",
+        (("            checkpoint(child)\n", "            pass\n"),),
+        ("tests/test_strategy.py::test_training_matches_single_process[llama-accumulate-clipnorm-ac-and-bugs]",),
+    ),
+    "5b": Plant(
+        "transformers' KV cache off under activation checkpointing",
+        "the use_cache=False fix is not applied",
+        (("        _disable_kv_cache(module, checkpointed)\n", ""),),
+        ("tests/test_strategy.py::test_training_matches_single_process[hf-clipvalue-setup-ac]",),
+    ),
+    "6": Plant(
+        "bf16-mixed reduces gradients in fp32",
+        "bf16-mixed's MixedPrecisionPolicy gets reduce_dtype=bf16",
+        (
+            (
+                '    "bf16-mixed": (torch.bfloat16, torch.float32),\n',
+                '    "bf16-mixed": (torch.bfloat16, torch.bfloat16),\n',
+            ),
+        ),
+        ("tests/test_strategy.py::test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32",),
+    ),
+    "7": Plant(
+        "parity read from every rank: replica 1's parameters",
+        "gradient clipping on the ranks of replica 1 (global rank >= 2 of the 2 x 2 mesh) uses half the max_norm",
+        (
+            (
+                "        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)\n",
+                "        scale = 1.0 if torch.distributed.get_rank() < 2 else 0.5\n"
+                "        torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, total)\n",
+            ),
+        ),
+        ("tests/test_strategy.py::test_training_matches_single_process[llama-accumulate-clipnorm-ac-and-bugs]",),
+    ),
+    "9a": Plant(
+        "no silent skip under make test / CI",
+        "the 1 MiB tmpfs cannot be mounted (the disk-full tests skip)",
+        (('["mount", "-t", "tmpfs"', '["false", "-t", "tmpfs"'),),
+        ("tests/test_cli.py::test_disk_full_exits_1_and_leaves_nothing",),
+        env=(("FABRIC_HSDP_NO_SKIPS", "1"),),
+    ),
+    "9b": Plant(
+        "cluster tests never skip where SLURM is installed (no CI, no make test)",
+        "the cluster's requirements check reports a missing piece",
+        (
+            (
+                "    problems = []\n    if os.geteuid() != 0:",
+                "    problems = ['planted: a piece is missing']\n    if os.geteuid() != 0:",
+            ),
+        ),
+        (
+            "tests/cluster/test_slurm_launchers.py::test_tasks_per_node_unlike_devices_stops_every_rank_with_one_message",
+        ),
+        env=(("CI", ""), ("FABRIC_HSDP_NO_SKIPS", "")),
+    ),
+    "10a": Plant(
+        "a resumed run equals the straight one exactly, not to 4 printed decimals",
+        "a sharded load restores AdamW's exp_avg_sq rounded through bf16",
+        (
+            (
+                "        set_optimizer_state_dict(model, optimizer, targets[key])\n",
+                "        set_optimizer_state_dict(model, optimizer, targets[key])\n"
+                "        for entries in optimizer.state.values():\n"
+                "            if 'exp_avg_sq' in entries:\n"
+                "                entries['exp_avg_sq'].copy_(entries['exp_avg_sq'].bfloat16().float())\n",
+            ),
+        ),
+        ("tests/test_examples.py::test_train_resumes_from_its_sharded_checkpoint_exactly",),
+    ),
+    "10b": Plant(
+        "a full checkpoint with optimizer state loads under TP (litgpt's fused rows) and with replicas",
+        "the full checkpoint's optimizer state ignores the rows tensor parallelism regrouped",
+        (
+            (
+                "                copy_local_part(value, target, fused.get(fqn))\n",
+                "                copy_local_part(value, target, None)\n",
+            ),
+        ),
+        ("tests/test_tp_checkpoints.py::test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts",),
+    ),
+    "11": Plant(
+        "launch budgets within the test's pytest timeout",
+        "launch() takes its timeout as given, whatever the test's pytest timeout leaves",
+        (("    return max(1.0, min(timeout, deadline - time.monotonic() - MARGIN))\n", "    return timeout\n"),),
+        ("tests/test_helpers.py",),
+    ),
+    "10c": Plant(
+        "timeout and process_group_backend in a launched run",
+        "the strategy's timeout never reaches the default process group",
+        (("            timeout=self._timeout,\n", "            timeout=default_pg_timeout,\n"),),
+        ("tests/test_load_raw.py::test_every_format_and_mode_loads_exactly",),
+    ),
+    "10d": Plant(
+        "reshard_after_forward in a launched run",
+        "the strategy's reshard_after_forward never reaches fully_shard",
+        (
+            (
+                "                reshard_after_forward=self._reshard_after_forward,\n"
+                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
+                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
+            ),
+        ),
+        ("tests/test_strategy.py::test_training_matches_single_process[llama-no-reshard]",),
+    ),
+    "25a": Plant(
+        "compiled blocks under tensor parallelism train like eager (#25)",
+        "the embedding's asynchronous TP output reaches the compiled block (litgpt's embedding gets no gradient)",
+        (("        finish_collectives_before_units(module, units)\n", ""),),
+        ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[1x4-mesh122]",),
+    ),
+    "25b": Plant(
+        "selective activation checkpointing saves the matmuls (#25)",
+        "selective AC saves no op's output (recomputes the matmuls too, like full AC)",
+        (("    ops = [getattr(aten, name).default for name in names]\n", "    ops = []\n"),),
+        ("tests/test_levers_units.py::test_activation_checkpointing_modes_recompute_what_they_say",),
+    ),
+}

@@ -1,0 +1,121 @@
+"""Scenarios for the throughput levers: per-block compile, selective activation checkpointing, and both together.
+
+One launch checks several things per configuration, as compile is expensive on 2 cores: training parity with one
+process (the suite's noise-floor criterion), that activation checkpointing really recomputes what its mode says (ops
+counted in backward), how many graphs compile made for identical blocks, and that a checkpoint saved with the
+levers on loads exactly into a model set up without them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
+from tests.scenarios.parity import _parity
+
+TENSOR_PARALLEL = 2
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run while it is active (by overload packet name, e.g. ``mm``, ``silu``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _strategy_kwargs(kind: str, levers: dict[str, Any]) -> dict[str, Any]:
+    kwargs = {"tensor_parallel_size": TENSOR_PARALLEL, **levers}
+    mode = kwargs.pop("ac", None)
+    if mode is not None:
+        kwargs.update(activation_checkpointing={layer_class(kind)}, activation_checkpointing_mode=mode)
+    return kwargs
+
+
+def recompute_counts(fabric_args: tuple[int, int], kind: str, mode: Any) -> dict[str, int]:
+    """Ops run inside one backward (eager): matmuls and the MLP's ``silu`` (only a recomputed forward runs it)."""
+    fabric = make_fabric(*fabric_args, **_strategy_kwargs(kind, {"ac": mode}))
+    model = fabric.setup_module(build(kind, seed=0))
+    inputs, targets = batch(2)
+    loss = torch.nn.functional.cross_entropy(logits_of(model, inputs).flatten(0, 1), targets.flatten())
+    with OpCounter() as counter:
+        fabric.backward(loss)
+    return {op: counter.counts[op] for op in ("mm", "silu", "_scaled_dot_product_flash_attention_for_cpu")}
+
+
+def checkpoint_round_trip(fabric: Any, fabric_args: tuple[int, int], kind: str, directory: Path) -> dict[str, Any]:
+    """Train a step with the levers, save (sharded), load into a model set up without them: exact, same names."""
+    model = fabric.setup_module(build(kind, seed=0))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    inputs, targets = batch(2, seed=fabric.strategy.distributed_sampler_kwargs["rank"])  # TP peers: the same rows
+    fabric.backward(torch.nn.functional.cross_entropy(logits_of(model, inputs).flatten(0, 1), targets.flatten()))
+    optimizer.step()
+    names = sorted(model.state_dict())
+    path = directory / f"{kind}-levers"
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    plain = make_fabric(*fabric_args, tensor_parallel_size=TENSOR_PARALLEL)
+    reloaded = plain.setup_module(build(kind, seed=1))
+    plain_optimizer = plain.setup_optimizers(torch.optim.AdamW(reloaded.parameters(), lr=1e-2))
+    plain.load(path, {"model": reloaded, "optimizer": plain_optimizer})
+    ours, theirs = full_state(model), full_state(reloaded)
+    return {
+        "orig_mod_names": [name for name in names if "_orig_mod" in name],
+        "same_names": names == sorted(reloaded.state_dict()),
+        "differ": {
+            name: (ours[name] - theirs[name]).abs().max().item()
+            for name in ours
+            if not torch.equal(ours[name], theirs[name])
+        },
+        "optimizer_steps": sorted({int(s["step"]) for s in plain_optimizer.state.values()}),
+    }
+
+
+def levers(
+    num_nodes: int,
+    devices: int,
+    kinds: list[str],
+    configs: dict[str, dict[str, Any]],
+    recompute: list[Any] = (),
+    bugs: list[str] = (),
+) -> dict[str, Any]:
+    """For each config (strategy arguments; ``ac`` = the activation checkpointing mode) and model kind: parity with
+    one process, compile's graph counts, a checkpoint round trip into a plain setup. ``recompute``: AC modes whose
+    backward op counts are reported (``None`` = no AC), per kind. ``bugs``: planted with the first config."""
+    import torch._dynamo
+
+    facts: dict[str, Any] = {"recompute": {}, "parity": {}, "checkpoint": {}, "graphs": {}}
+    for kind in kinds:
+        facts["recompute"][kind] = {str(mode): recompute_counts((num_nodes, devices), kind, mode) for mode in recompute}
+    directory = None
+    for index, (label, config) in enumerate(configs.items()):
+        for kind in kinds:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            fabric = make_fabric(num_nodes, devices, **_strategy_kwargs(kind, config))
+            if directory is None:
+                directory = Path(
+                    fabric.broadcast(tempfile.mkdtemp(prefix="levers-") if fabric.global_rank == 0 else "")
+                )
+            options = dict(steps=3, accumulate=2, clip="norm", setup_together=False)
+            result = _parity(fabric, kind, bugs=list(bugs) if index == 0 else [], **options)
+            facts["parity"][f"{label}/{kind}"] = {key: result[key] for key in ("floor", "ours", "bugs")}
+            stats = torch._dynamo.utils.counters["stats"]
+            facts["graphs"][f"{label}/{kind}"] = {
+                "unique_graphs": stats["unique_graphs"],
+                "frames": dict(torch._dynamo.utils.counters["frames"]),
+                "recompiles": dict(torch._dynamo.utils.counters["recompiles"]),
+            }
+            facts["checkpoint"][f"{label}/{kind}"] = checkpoint_round_trip(
+                fabric, (num_nodes, devices), kind, directory / label
+            )
+    return facts
