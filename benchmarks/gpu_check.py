@@ -375,6 +375,41 @@ def check_transformers_init(ctx: Context) -> str:
     return f"embedding std {embedding.std().item():.4f}, q_proj std {q_proj.std().item():.4f} (0.02), padding row 0"
 
 
+def check_float8(ctx: Context) -> str:
+    """float8=True (torchao rowwise) under bf16-mixed: the eligible linears converted, the loss finite and falling;
+    on a GPU below SM 8.9 (or without torchao) the strategy must refuse at construction, which is the pass."""
+    import torch
+
+    from examples.tiny_llama import Block, Llama, LlamaConfig
+    from fabric_hsdp.float8 import float8_unsupported_reason
+
+    reason = float8_unsupported_reason()
+    if reason is not None:
+        try:
+            ctx.fabric(precision="bf16-mixed", float8=True)
+        except RuntimeError as error:
+            assert reason in str(error), str(error)
+            return f"refused at construction, as it must here: {reason}"
+        raise AssertionError(f"float8=True was accepted although {reason}")
+    from torchao.float8.float8_linear import Float8Linear
+
+    fabric = ctx.fabric(precision="bf16-mixed", float8=True, sharded_modules={Block})
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = Llama(LlamaConfig(vocab_size=256, dim=256, n_layers=2, n_heads=4, hidden_dim=512, max_seq_len=SEQ))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    converted = [name for name, module in model.module.named_modules() if isinstance(module, Float8Linear)]
+    assert converted and "output" not in converted, converted
+    losses, step = _steps(fabric, model, optimizer, 4)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], f"loss did not go down: {losses}"
+    return (
+        f"{len(converted)} float8 linears (output head kept), loss {losses[0]:.3f} -> {losses[-1]:.3f},"
+        f" {1e3 * step:.1f} ms/step"
+    )
+
+
 CHECKS = [
     Check("nccl_init", check_nccl_init),
     Check("bf16_mixed", check_bf16_mixed),
@@ -385,6 +420,7 @@ CHECKS = [
     Check("tensor_parallel", check_tensor_parallel, min_devices=2, devices=2),
     Check("shard_size_auto", check_shard_size_auto, cuda_only=True),
     Check("transformers_init", check_transformers_init),
+    Check("float8", check_float8, cuda_only=True),
 ]
 
 

@@ -24,6 +24,8 @@ class LlamaConfig:
     hidden_dim: int = 172
     max_seq_len: int = 64
     rope_base: float = 10000.0
+    dropout: float = 0.0  # on the embeddings, each attention output and each residual branch
+    tie_embeddings: bool = False  # the output head shares the embedding's weight
 
 
 class RMSNorm(nn.Module):
@@ -61,6 +63,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
         self.wv = nn.Linear(config.dim, config.dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -70,7 +73,8 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(shape), rope).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = F.dropout(out.transpose(1, 2).reshape(batch, seq, -1), self.dropout, self.training)
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -91,10 +95,11 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim)
         self.feed_forward = FeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.dropout(self.attention(self.attention_norm(x), rope))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 class Llama(nn.Module):
@@ -116,15 +121,18 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer(
             "rope", rope_cache(config.dim // config.n_heads, config.max_seq_len, config.rope_base), persistent=False
         )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(idx)
+        x = self.dropout(self.tok_embeddings(idx))
         for layer in self.layers:
             x = layer(x, self.rope)
         return self.output(self.norm(x))

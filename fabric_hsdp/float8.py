@@ -10,6 +10,7 @@ Blackwell): elsewhere the strategy refuses when it is created. torchao is an opt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ MINIMUM_CAPABILITY = (8, 9)
 @dataclass(frozen=True)
 class Float8Spec:
     recipe: str
+    emulate: bool = False  # torchao's emulation (float8 casts, high-precision matmuls): for tests on CPU
 
 
 def validate_float8(float8: bool | str) -> Float8Spec | None:
@@ -80,6 +82,8 @@ def apply_float8(model: nn.Module, spec: Float8Spec) -> list[str]:
     chosen = [name for name, module in model.named_modules() if converts(name, module, vocab_sizes)]
     chosen_set = set(chosen)
     config = Float8LinearConfig.from_recipe_name(spec.recipe)
+    if spec.emulate:
+        config = dataclasses.replace(config, emulate=True)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen_set)
     info_on_rank_zero(_logger, "float8 (%s): %d linear layers converted", spec.recipe, len(chosen))
     return chosen

@@ -22,7 +22,7 @@ from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.sharding import ShardingPlan, apply_fsdp, sharded_units
 
 if TYPE_CHECKING:
-    from fabric_hsdp.tensor_parallel import TensorParallelPlan
+    from fabric_hsdp.tensor_parallel import AppliedPlan, TensorParallelPlan
     from fabric_hsdp.topology import ParallelMesh
 
 _logger = logging.getLogger(__name__)
@@ -59,7 +59,11 @@ class Levers:
     activation_checkpointing_mode: ActivationCheckpointingMode = "full"
     compile: CompileSpec = False
     float8: Float8Spec | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    largest_tensor_parallel_size: int | None = None  # the sizes tensor-parallel errors suggest divide it
     compiled: list[str] = field(default_factory=list)  # filled in by the setup: the modules compiled
+    tensor_parallel: AppliedPlan | None = None  # filled in by the setup: what the tensor-parallel step did
 
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, levers: Levers) -> list[str]:
@@ -70,7 +74,14 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, lever
     if levers.float8 is not None:
         apply_float8(module, levers.float8)
     if mesh.tensor is not None:
-        apply_tensor_parallel(module, levers.tensor_parallel_plan, mesh.tensor)
+        levers.tensor_parallel = apply_tensor_parallel(
+            module,
+            levers.tensor_parallel_plan,
+            mesh.tensor,
+            sequence_parallel=levers.sequence_parallel,
+            loss_parallel=levers.loss_parallel,
+            largest_size=levers.largest_tensor_parallel_size,
+        )
         finish_collectives_before_units(module, units)
     if levers.activation_checkpointing is not None:
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)

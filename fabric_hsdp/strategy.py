@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -52,7 +53,14 @@ from fabric_hsdp.sharding import (
     repoint_optimizers,
 )
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
-from fabric_hsdp.tensor_parallel import TensorParallelPlan, validate_plan
+from fabric_hsdp.tensor_parallel import (
+    TensorParallelPlan,
+    finish_tensor_parallel,
+    loss_parallel,
+    module_layout,
+    validate_plan,
+)
+from fabric_hsdp.tensor_parallel import validate_levers as validate_tensor_parallel_levers
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology, validate_shard_size, validate_tensor_parallel_size
 
 _logger = logging.getLogger(__name__)
@@ -94,7 +102,16 @@ class HybridFSDPStrategy(ParallelStrategy):
             ``ParallelStyle``, one of transformers' style names (``"colwise"``, ``"rowwise"``,
             ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"sequence_parallel"``, ...) or
             ``fabric_hsdp.tensor_parallel.FusedColwise``, or a callable ``(model, tensor_mesh) -> None``. Applied
-            before activation checkpointing and ``fully_shard``.
+            before activation checkpointing and ``fully_shard``. Tied weights (an output head sharing the embedding's)
+            stay one parameter: the plan must split all their holders alike (both by vocabulary rows) or none.
+            Tensor-parallel peers get one random state at ``setup_module`` (seed per rank before it, if you do), and
+            draw their own dropout masks inside the split attention/MLP regions.
+        sequence_parallel: With tensor parallelism, keep the activations between the layers split by sequence
+            (norms and residual stream on ``1/T`` of the tokens; torchtitan's Llama plan): less activation memory, the
+            same communication volume. The sequence length must divide by ``T``. For ``"auto"`` and dict plans.
+        loss_parallel: With tensor parallelism, the output head keeps its logits split by vocabulary (a DTensor);
+            compute the loss and its backward inside ``strategy.loss_parallel()`` (see there), which never gathers
+            the vocabulary. For ``"auto"`` and dict plans.
         reshard_after_forward: FSDP2's ``reshard_after_forward``: ``True`` frees gathered parameters after forward
             (least memory), ``False`` keeps them for backward (less communication), an int reshards to that smaller
             group size. ``None`` lets FSDP2 decide (reshard, except for the root).
@@ -158,6 +175,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         workload: Workload | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = "auto",
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: ModulePolicy | None = None,
         activation_checkpointing_mode: Literal["full", "selective"] | int = "full",
@@ -197,6 +216,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self._workload = workload
         self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
+        validate_tensor_parallel_levers(sequence_parallel, loss_parallel, self._tensor_parallel_size)
+        self._levers.sequence_parallel, self._levers.loss_parallel = sequence_parallel, loss_parallel
         self._reshard_after_forward = reshard_after_forward
         self._cpu_offload = cpu_offload
         self._checkpoints = Checkpointer(
@@ -338,11 +359,15 @@ class HybridFSDPStrategy(ParallelStrategy):
                 mp_policy=mixed_precision_policy(self.precision_name),
                 offload_policy=offload_policy(self._cpu_offload, self.root_device),
             )
-            mesh = self.parallel_mesh
+            mesh, topology = self.parallel_mesh, self.topology
+            # the sizes tensor-parallel errors may suggest: those dividing a node and the shard group
+            self._levers.largest_tensor_parallel_size = math.gcd(topology.ranks_per_node, topology.shard_size)
             parallelize(module, mesh, plan, self._levers)  # float8 -> TP -> AC -> compile -> fully_shard
         # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
         materialize_local_shards(module, self.root_device, self.topology.position_in_copy(self.global_rank))
         make_replicas_identical(module, mesh)
+        if mesh.tensor is not None:
+            finish_tensor_parallel(module, self._levers.tensor_parallel, mesh.tensor, self.root_device)
         self._sharded.add(module)
         return module
 
@@ -364,6 +389,8 @@ class HybridFSDPStrategy(ParallelStrategy):
                 cpu_offload=self._cpu_offload,
                 reshard_after_forward=self._reshard_after_forward,
                 backend=self._process_group_backend,
+                sequence_parallel=self._levers.sequence_parallel,
+                loss_parallel=self._levers.loss_parallel,
             )
         self._mesh = self._topology.build_mesh(self.root_device.type)
         info_on_rank_zero(_logger, "%s", describe_choice(layout_plan))
@@ -438,7 +465,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint() takes no storage_options: it writes DCP itself.")
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support `filter=` when saving.")
-        self._checkpoints.save(Path(self.broadcast(Path(path).absolute())), state, self.broadcast)
+        with module_layout():  # the checkpoint code maps tensor parallelism's regrouped rows itself
+            self._checkpoints.save(Path(self.broadcast(Path(path).absolute())), state, self.broadcast)
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside
@@ -448,7 +476,22 @@ class HybridFSDPStrategy(ParallelStrategy):
         parallelism). Call it on every rank.
         """
         path = Path(self.broadcast(Path(path).absolute()))
-        self._checkpoints.save(path, _unwrap_objects(state), self.broadcast, full=True)
+        with module_layout():
+            self._checkpoints.save(path, _unwrap_objects(state), self.broadcast, full=True)
+
+    def loss_parallel(self) -> AbstractContextManager:
+        """The context to compute the loss and run its backward in, for ``loss_parallel=True``'s split logits.
+
+        ``F.cross_entropy`` works on each rank's ``1/T`` of the vocabulary (torch's ``loss_parallel()``); without
+        ``loss_parallel=True`` it does nothing, so one loop serves both::
+
+            with fabric.strategy.loss_parallel():
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+                fabric.backward(loss)
+
+        The loss is a replicated DTensor: ``.item()`` as usual, ``.full_tensor()`` to add it to plain tensors.
+        """
+        return loss_parallel(self._levers.loss_parallel)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a save running in the background (``async_save=True``) is committed; raise its failure.
@@ -478,7 +521,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             )
         path = Path(self.broadcast(Path(path).absolute()))
         mesh, ranks = self._mesh, {"local_rank": self.local_rank, "ranks_per_node": self.num_processes}
-        return self._checkpoints.load(path, state, strict=strict, weights_only=weights_only, mesh=mesh, **ranks)
+        with module_layout():
+            return self._checkpoints.load(path, state, strict=strict, weights_only=weights_only, mesh=mesh, **ranks)
 
     def load_raw(
         self,
@@ -504,9 +548,16 @@ class HybridFSDPStrategy(ParallelStrategy):
             weights_only: Unpickle with torch's safe loader; ``False`` only for trusted files.
         """
         ranks = {"local_rank": self.local_rank, "ranks_per_node": self.num_processes, "mesh": self._mesh}
-        return self._checkpoints.load_raw(
-            Path(path), module, strict=strict, weights_only=weights_only, key_map=key_map, load_mode=load_mode, **ranks
-        )
+        with module_layout():
+            return self._checkpoints.load_raw(
+                Path(path),
+                module,
+                strict=strict,
+                weights_only=weights_only,
+                key_map=key_map,
+                load_mode=load_mode,
+                **ranks,
+            )
 
     @override
     def teardown(self) -> None:

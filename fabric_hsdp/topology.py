@@ -211,10 +211,13 @@ class Topology:
                 f" '{TENSOR_DIM}'={self.tensor_parallel_size} ways by tensor parallelism inside a node and"
                 f" '{SHARD_DIM}'={self.fsdp_size} ways by FSDP"
             )
-        return (
-            text + f", '{REPLICATE_DIM}'={self.replicate_size} copies exchange only gradient all-reduces of their"
-            f" shards; {self.data_parallel_size} data-parallel ranks."
-        )
+        if self.replicate_size == 1:  # nothing to exchange between copies: there is one
+            replicas = f", '{REPLICATE_DIM}'=1: one copy, no gradient all-reduce between copies"
+        else:
+            replicas = (
+                f", '{REPLICATE_DIM}'={self.replicate_size} copies exchange only gradient all-reduces of their shards"
+            )
+        return text + f"{replicas}; {self.data_parallel_size} data-parallel ranks."
 
 
 class ParallelMesh:

@@ -33,7 +33,7 @@ def shard_elements(shape: tuple[int, ...], index: int, size: int) -> int:
     return max(0, min(chunk, rows - chunk * index)) * math.prod(shape[1:])
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scratch(tmp_path):
     from safetensors.torch import save_file
 
@@ -74,7 +74,7 @@ def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scra
     assert NOT_MEANINGFUL in report.text()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save(tmp_path):
     facts = tmp_path / "facts.json"
     args = [str(facts), "--num_nodes", "16", "--devices", "8", "--tp", "2", "--steps", "1", "--save", "ckpt"]
@@ -116,7 +116,7 @@ def run_cli(capsys, *args):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys):
     world = ["dryrun", "--num_nodes", "2", "--devices_per_node", "4"]
     code, err = run_cli(capsys, *world, "--rank", "8", SCRIPT, tmp_path / "f.json")
@@ -138,7 +138,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys):
     assert not (tmp_path / "f.json").exists()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_plan_verify_dry_runs_the_recommended_layout(tmp_path, capsys):
     from transformers import LlamaConfig
 
@@ -165,3 +165,14 @@ def test_plan_verify_dry_runs_the_recommended_layout(tmp_path, capsys):
     assert verify["local_parameter_bytes"] == recommended["bytes_per_device"]["parameters"]
     assert verify["planned"]["total"] == recommended["bytes_per_device"]["total"]
     assert verify["steps"] == 1 and verify["measured_over_planned"] > 0
+
+
+def test_all_kinds_picks_one_rank_per_role():
+    from fabric_hsdp.dryrun import rank_kinds
+
+    # 16 x 8, shard_size="world", TP 8: mesh (1, 16, 8); TP-group edges and shard-dim edges
+    kinds = rank_kinds((1, 16, 8), devices_per_node=8)
+    assert sorted(kinds) == [0, 7, 120, 127]
+    assert kinds[7] == "mesh corner (0, 0, 7); last of a node"
+    # HSDP 4 x 8: the first and last replica, the first and last rank of a shard group
+    assert sorted(rank_kinds((4, 8), devices_per_node=8)) == [0, 7, 24, 31]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fabric_hsdp import HybridFSDPStrategy
-from fabric_hsdp.float8 import converts
+from fabric_hsdp.float8 import converts, float8_unsupported_reason
 from fabric_hsdp.parallelize import apply_activation_checkpointing
 from tests.scenarios.common import batch, build, layer_class, logits_of
 from tests.scenarios.levers import OpCounter
@@ -24,10 +24,15 @@ def test_invalid_lever_arguments_are_refused_at_construction(kwargs, message):
         HybridFSDPStrategy(**kwargs)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without an SM 8.9+ GPU")
 def test_float8_is_refused_without_a_capable_gpu():
-    with pytest.raises(RuntimeError, match=r"float8=True\) cannot run here: float8 matmuls need an NVIDIA GPU"):
+    if float8_unsupported_reason() is None:  # an SM 8.9+ GPU with torchao: accepted
+        assert HybridFSDPStrategy(float8=True)._levers.float8.recipe == "rowwise"
+        return
+    with pytest.raises(RuntimeError, match=r"float8=True\) cannot run here: "):
         HybridFSDPStrategy(float8=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="float8 matmuls need an NVIDIA GPU of compute capability 8.9"):
+            HybridFSDPStrategy(float8="tensorwise")
 
 
 def test_float8_skips_the_output_head_and_dims_not_divisible_by_16():
@@ -65,3 +70,45 @@ def test_activation_checkpointing_modes_recompute_what_they_say(kind):
     assert full["mm"] == none["mm"] + 2 * per_block
     assert every_second["mm"] == none["mm"] + per_block
     assert selective["mm"] == none["mm"]
+
+
+@pytest.mark.timeout(900)  # inductor + gcc: about a minute on 2 idle cores, several on a loaded machine
+def test_compile_is_per_block_in_place_and_bounded():
+    """Inductor (gcc on CPU) compiles each block in place: names unchanged, logits and gradients as eager, and the
+    two identical blocks share their graph (dynamo counts one frame per block and one graph in all)."""
+    import torch._dynamo
+
+    from fabric_hsdp.parallelize import apply_compile
+
+    eager, compiled = build("litgpt", seed=0), build("litgpt", seed=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    blocks = [(f"transformer.h.{i}", block) for i, block in enumerate(compiled.transformer.h)]
+    assert apply_compile(blocks, {}) == ["transformer.h.0", "transformer.h.1"]
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    inputs, targets = batch(2)
+    grads = []
+    for model in (eager, compiled):
+        loss = torch.nn.functional.cross_entropy(logits_of(model, inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        grads.append({name: param.grad for name, param in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert dict(counters["frames"]) == {"total": 2, "ok": 2} or counters["frames"]["ok"] >= 1, dict(counters["frames"])
+
+
+def test_float8_conversion_swaps_the_eligible_linears():
+    """torchao's emulation runs the converted model on CPU: the eligible layers are Float8Linear, the head is not."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from fabric_hsdp.float8 import Float8Spec, apply_float8
+
+    model = build("litgpt")
+    names = apply_float8(model, Float8Spec("rowwise", emulate=True))
+    converted = sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
+    assert converted == sorted(names) and len(names) == 10  # 5 linears per block, 2 blocks; lm_head left alone
+    assert not isinstance(model.lm_head, Float8Linear)
+    inputs, _ = batch(2)
+    assert torch.isfinite(logits_of(model, inputs)).all()

@@ -60,7 +60,12 @@ def test_invalid_shard_size_form(bad):
 def test_describe_names_dims():
     text = Topology.resolve("node", 2, 2, 4).describe()
     assert "HSDP: 2 node(s) x 2 rank(s) per node = 4 ranks; mesh (2, 2)" in text
-    assert "'shard'=2" in text and "'replicate'=2" in text
+    assert "'shard'=2" in text and "'replicate'=2 copies exchange only gradient all-reduces" in text
+    # plain FSDP: one copy, nothing exchanged between copies (it said "'replicate'=1 copies exchange ...")
+    fsdp = Topology.resolve("world", 2, 2, 4).describe()
+    assert "'replicate'=1: one copy, no gradient all-reduce between copies" in fsdp and "copies exchange" not in fsdp
+    # a 3-D mesh names all three dims
+    assert "with dims ('replicate', 'shard', 'tensor')" in Topology.resolve("node", 2, 2, 4, 2).describe()
 
 
 @pytest.mark.parametrize(

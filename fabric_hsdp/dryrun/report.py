@@ -144,6 +144,8 @@ def build_report(session: Any) -> DryRunReport:
     if session.device.type == "cuda":
         device = f"cuda:0 of this machine (stands in for local rank {world.local_rank}'s GPU)"
     notes = list(session.notes)
+    if not session.meter.mmap_threshold_set:
+        notes.append("glibc's mallopt is not available: host figures include memory the allocator keeps after frees")
     if not session.meter.resets:
         notes.append("/proc/self/clear_refs is not writable: each phase's host peak is the run's peak so far")
     if session.steps < session.max_steps:

@@ -10,12 +10,18 @@ name part, as in ``parallelize_module``) to a torch ``ParallelStyle``, a transfo
 ``parallelize_fn`` style). For the first two, every dim the plan splits is checked before anything changes: the
 module, the dim and its size must divide by ``T``, and so must the model's head counts. DCP writes wrong data for a
 tensor whose split dim does not divide, so this check is what stands between a user and a corrupt checkpoint.
+
+Besides the split itself: tied weights stay one parameter (:mod:`.tied`); ``sequence_parallel`` and
+``loss_parallel`` change the plan's layouts (:mod:`.sequence`); the fused rows' state dicts show the model's own order
+(:mod:`.fused_rows`); dropout draws the same masks on the peers where they hold the same values and different ones
+where not (:mod:`.randomness`, wired in by :func:`finish_tensor_parallel` once the model is sharded and materialised).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +29,34 @@ import torch
 from torch import nn
 
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.tensor_parallel.fused_rows import ATTRIBUTE, FusedRows, fused_rows_of
+from fabric_hsdp.tensor_parallel.fused_rows import (
+    ATTRIBUTE,
+    FusedRows,
+    add_state_dict_hooks,
+    fused_rows_of,
+    module_layout,
+)
+from fabric_hsdp.tensor_parallel.loss import loss_parallel
 from fabric_hsdp.tensor_parallel.plans import DICT_FORM, ModelPlan, auto_plan
+from fabric_hsdp.tensor_parallel.randomness import seed_split_regions, split_regions, synchronize_random_state
+from fabric_hsdp.tensor_parallel.sequence import with_levers
 from fabric_hsdp.tensor_parallel.styles import FusedColwise, split_dim, to_style
+from fabric_hsdp.tensor_parallel.tied import retie, tied_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FusedColwise", "FusedRows", "TensorParallelPlan", "apply_tensor_parallel", "fused_rows_of"]
+__all__ = [
+    "AppliedPlan",
+    "FusedColwise",
+    "FusedRows",
+    "TensorParallelPlan",
+    "apply_tensor_parallel",
+    "finish_tensor_parallel",
+    "fused_rows_of",
+    "loss_parallel",
+    "module_layout",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -48,37 +74,109 @@ def validate_plan(plan: TensorParallelPlan) -> TensorParallelPlan:
     raise ValueError(f"HybridFSDPStrategy(tensor_parallel_plan={plan!r}) is not valid. Pass 'auto', {DICT_FORM}.")
 
 
-def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
+@dataclass
+class AppliedPlan:
+    """What :func:`apply_tensor_parallel` did that the later setup steps need."""
+
+    split_regions: list[str] = field(default_factory=list)  # modules whose forward runs on split values
+
+
+def validate_levers(sequence_parallel: bool, loss_parallel: bool, tensor_parallel_size: int) -> None:
+    """Sequence and loss parallelism split over the tensor-parallel ranks: refuse them without any."""
+    for name, on in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if on and tensor_parallel_size == 1:
+            raise ValueError(
+                f"HybridFSDPStrategy({name}=True) splits over the tensor-parallel ranks, but tensor_parallel_size is 1."
+                f" Pass tensor_parallel_size=T > 1 (e.g. 2), or drop {name}."
+            )
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    plan: TensorParallelPlan,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    largest_size: int | None = None,
+) -> AppliedPlan:
     """Split ``model``'s layers over ``mesh`` (the 1-D tensor-parallel mesh) per ``plan``, in place.
 
+    ``sequence_parallel``/``loss_parallel``: see :mod:`fabric_hsdp.tensor_parallel.sequence`. ``largest_size``: the
+    largest tensor-parallel size the job's layout allows (its divisors are the sizes error messages may suggest).
+
     Raises:
-        ValueError: a pattern matches no module, a style does not fit its module, or a split dim or head count does
-            not divide by the tensor-parallel size (the message names the module, the dim and its size).
+        ValueError: a pattern matches no module, a style does not fit its module, a split dim or head count does
+            not divide by the tensor-parallel size (the message names the module, the dim and its size, and the
+            sizes that pass every check), or tied weights would be split differently.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     size = mesh.size()
+    tied = tied_groups(model)
     if callable(plan):
+        if sequence_parallel or loss_parallel:
+            raise ValueError(
+                "HybridFSDPStrategy(sequence_parallel=True / loss_parallel=True) changes the layouts of a plan, but"
+                " tensor_parallel_plan is a callable, which applies its own. Apply them in the callable (torch's"
+                " SequenceParallel, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)), or pass"
+                " 'auto' or a dict plan."
+            )
         plan(model, mesh)
+        retie(model, tied)
         _check_even_splits(model, size)
-        return
+        return AppliedPlan()
     model_plan = auto_plan(model) if plan == "auto" else ModelPlan(styles=plan)
     assignments = _assign(model, model_plan.styles)
-    _check_heads(model, model_plan.heads, size)
+    sizes = list(range(1, (largest_size or size) + 1))
+    sizes = [d for d in sizes if (largest_size or size) % d == 0 and _passes(model_plan, assignments, d)]
+    _check_heads(model, model_plan.heads, size, sizes)
     for name, module, style in assignments:
-        _check_divisible(name, module, style, size)
+        _check_divisible(name, module, style, size, sizes)
+    assignments = with_levers(
+        model,
+        assignments,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        split_embedding_output=model_plan.split_embedding_output,
+    )
     for name, module, style in assignments:
         if isinstance(style, FusedColwise):
-            _regroup_rows(module, FusedRows(style.block_sizes(module.weight.shape[0]), size))
+            fused = FusedRows(style.block_sizes(module.weight.shape[0]), size)
+            _regroup_rows(module, fused)
+            add_state_dict_hooks(module, fused)
             style = ColwiseParallel()  # the regrouped rows split like any column-wise layer
         # each rank splits its own copy (src_data_rank=None), as fully_shard does: no collective here
         parallelize_module(model, mesh, {name: style}, src_data_rank=None)
+    retie(model, tied)
     if model_plan.local_head_counts is not None:
         model_plan.local_head_counts(model, size)
     _check_even_splits(model, size)
     info_on_rank_zero(
         _logger, "tensor parallel over %d ranks: %d modules split (%s)", size, len(assignments), _summary(assignments)
     )
+    rowwise = [name for name, module, style in assignments if isinstance(style, RowwiseParallel)]
+    rowwise = [name for name in rowwise if isinstance(model.get_submodule(name), nn.Linear)]
+    return AppliedPlan(split_regions=split_regions(model, rowwise, sequence_parallel))
+
+
+def finish_tensor_parallel(model: nn.Module, applied: AppliedPlan, mesh: DeviceMesh, device: torch.device) -> None:
+    """After sharding and materialising: seed the split regions per rank, then give the tensor-parallel peers one
+    random state (a collective). Registered after activation checkpointing's hooks, so a recomputed region draws
+    the same masks as its forward did."""
+    seed_split_regions(model, applied.split_regions, mesh.get_local_rank(), device)
+    synchronize_random_state(mesh, device)
+
+
+def _passes(model_plan: ModelPlan, assignments: list[tuple[str, nn.Module, Any]], size: int) -> bool:
+    if any(count % size for count in model_plan.heads.values()):
+        return False
+    try:
+        for name, module, style in assignments:
+            _check_divisible(name, module, style, size, [])
+    except ValueError:
+        return False
+    return True
 
 
 def _assign(model: nn.Module, styles: dict[str, Any]) -> list[tuple[str, nn.Module, Any]]:
@@ -105,17 +203,26 @@ def _assign(model: nn.Module, styles: dict[str, Any]) -> list[tuple[str, nn.Modu
     return [(name, module, style) for name, (module, style) in sorted(assigned.items(), key=lambda i: order[i[0]])]
 
 
-def _check_heads(model: nn.Module, heads: dict[str, int], size: int) -> None:
+_KEY_VALUE_HEADS = ("config.num_key_value_heads", "config.n_query_groups", "config.n_kv_heads")
+
+
+def _check_heads(model: nn.Module, heads: dict[str, int], size: int, sizes: list[int]) -> None:
     for what, count in heads.items():
-        if count % size:
-            raise ValueError(
-                f"tensor_parallel_size({size}) does not divide {what}({count}) of {type(model).__name__}: each"
-                " tensor-parallel rank must hold whole attention heads. Choose a tensor_parallel_size that divides"
-                f" {count}: {[d for d in range(1, count + 1) if count % d == 0]}."
-            )
+        if count % size == 0:
+            continue
+        fewer = (
+            " Fewer key/value heads than tensor-parallel ranks (Megatron replicates them) is not supported."
+            if what in _KEY_VALUE_HEADS and count < size
+            else ""
+        )
+        raise ValueError(
+            f"tensor_parallel_size({size}) does not divide {what}({count}) of {type(model).__name__}: each"
+            f" tensor-parallel rank must hold whole attention heads.{fewer} Choose a tensor_parallel_size that passes"
+            f" every check of this model and layout: {sizes}."
+        )
 
 
-def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
+def _check_divisible(name: str, module: nn.Module, style: Any, size: int, sizes: list[int]) -> None:
     kind = type(module).__name__
     if not isinstance(module, nn.Linear | nn.Embedding):
         if split_dim(style, kind) is None:
@@ -137,15 +244,15 @@ def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> Non
             if unit_count % size:
                 raise ValueError(
                     f"tensor_parallel_size({size}) does not divide the {unit_count} {block_name} of {name}'s fused"
-                    f" {what} ({extent} = {' + '.join(map(str, blocks))}). Choose a tensor_parallel_size that divides"
-                    f" every block's count: {[d for d in range(1, min(units) + 1) if all(u % d == 0 for u in units)]}."
+                    f" {what} ({extent} = {' + '.join(map(str, blocks))}). Choose a tensor_parallel_size that passes"
+                    f" every check of this model and layout: {sizes}."
                 )
         return
     if extent % size:
         raise ValueError(
             f"tensor_parallel_size({size}) does not divide {name}.{what}({extent}) ({kind}, split by"
-            f" {type(style).__name__}). Choose a tensor_parallel_size that divides {extent}, or leave {name} out of"
-            " the plan."
+            f" {type(style).__name__}). Choose a tensor_parallel_size that passes every check of this model and layout"
+            f" ({sizes}), or leave {name} out of the plan."
         )
 
 

@@ -7,14 +7,24 @@ rows are regrouped *in the module* (and in the DTensor's global view) by rank: `
 and an ordinary ``Shard(0)`` gives each rank its heads; attention then runs on the local head counts.
 
 The parameter keeps its name and global shape; only the order of its rows differs from the stored one. Checkpoints
-always hold the model's own order (litgpt's ``[Q; K; V]``): every reader and writer maps rows through
-:class:`FusedRows`, and :func:`fused_rows_of` finds the parameters that need it.
+always hold the model's own order (litgpt's ``[Q; K; V]``): this package's readers and writers map rows through
+:class:`FusedRows` shard by shard (:func:`fused_rows_of` finds the parameters that need it, inside
+:func:`module_layout`). Every other state-dict path sees the model's own order too: state-dict hooks on the fused
+module (:func:`add_state_dict_hooks`) turn the parameter into a replicated DTensor in stored order for
+``model.state_dict()``, ``get_model_state_dict(...)`` (sharded or ``full_state_dict=True``) and torch's DCP, and
+regroup what ``load_state_dict``/``set_model_state_dict`` get. That costs one all-gather of the fused weight per
+state-dict call (which a full export does anyway). Only ``param.full_tensor()`` taken directly from the parameter,
+and optimizer state from ``get_optimizer_state_dict``, show the regrouped rows: map them with
+``fused_rows_of(model)[name].to_stored_order(tensor)``.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,3 +97,59 @@ def fused_rows_of(model: nn.Module) -> dict[str, FusedRows]:
             if param.shape[0] == fused.rows:
                 found[f"{module_name}.{param_name}" if module_name else param_name] = fused
     return found
+
+
+_hooks_pass_through = [False]
+
+
+@contextmanager
+def module_layout() -> Iterator[None]:
+    """Within this context state dicts hold the regrouped rows as they are (this package's own checkpoint code maps
+    them shard by shard, without the hooks' all-gather)."""
+    previous = _hooks_pass_through[0]
+    _hooks_pass_through[0] = True
+    try:
+        yield
+    finally:
+        _hooks_pass_through[0] = previous
+
+
+def add_state_dict_hooks(module: nn.Module, fused: FusedRows) -> None:
+    """Make ``module``'s state dict hold its fused parameters in the stored order, and its loads take that order."""
+
+    def keys(prefix: str, state_dict: dict[str, Any]) -> Iterator[str]:
+        for name in module._parameters:
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == fused.rows:
+                yield key
+
+    def to_stored(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if _hooks_pass_through[0]:
+            return
+        for key in list(keys(prefix, state_dict)):
+            value = state_dict[key].detach()
+            if isinstance(value, DTensor):
+                stored = fused.to_stored_order(value.full_tensor())
+                replicated = [Replicate()] * value.device_mesh.ndim
+                state_dict[key] = DTensor.from_local(stored, value.device_mesh, replicated, run_check=False)
+            else:
+                state_dict[key] = fused.to_stored_order(value)
+
+    def to_module(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if _hooks_pass_through[0]:
+            return
+        for key in list(keys(prefix, state_dict)):
+            value, param = state_dict[key], module._parameters[key[len(prefix) :]]
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            regrouped = fused.to_module_order(full.to(param.device))
+            if isinstance(param, DTensor):
+                regrouped = distribute_tensor(regrouped, param.device_mesh, param.placements, src_data_rank=None)
+            state_dict[key] = regrouped
+
+    module._register_state_dict_hook(to_stored)
+    module._register_load_state_dict_pre_hook(to_module)

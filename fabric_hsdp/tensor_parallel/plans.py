@@ -43,6 +43,8 @@ class ModelPlan:
     styles: dict[str, Any]
     heads: dict[str, int] = field(default_factory=dict)  # "config.n_head" -> 4
     local_head_counts: Any = None  # (model, tensor_parallel_size) -> None, for models that read counts from config
+    # under sequence parallelism, the embedding itself ends in Shard(1) (else the first layer splits its input)
+    split_embedding_output: bool = True
 
 
 def auto_plan(model: nn.Module) -> ModelPlan:
@@ -86,13 +88,18 @@ def _hf_plan(model: nn.Module) -> ModelPlan:
     styles = _hf_plan_entries(model)
     output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     if output is not None and embedding is not None and output.weight is embedding.weight:
-        # a tied output head shares the embedding's weight, which the plan leaves whole
-        dropped = [pattern for pattern in styles if pattern.split(".")[-1] == "lm_head"]
-        for pattern in dropped:
-            del styles[pattern]
-        if dropped:
-            info_on_rank_zero(_logger, "tensor parallel: %s shares the input embedding's weight: left whole", dropped)
-    return ModelPlan(styles=styles, heads=_config_heads(model.config))
+        # a tied head splits the shared [vocab, dim] weight by rows: the embedding must split the same rows
+        names = {id(module): name for name, module in model.named_modules()}
+        if any(pattern.split(".")[-1] == names.get(id(output), "").split(".")[-1] for pattern in styles):
+            styles.setdefault(names[id(embedding)], "embedding_rowwise")
+            info_on_rank_zero(
+                _logger,
+                "tensor parallel: the output head shares %s's weight: both split by vocabulary rows",
+                names[id(embedding)],
+            )
+    # transformers computes positions and masks from the embedding's output: under sequence parallelism it stays
+    # whole and the first layer splits it
+    return ModelPlan(styles=styles, heads=_config_heads(model.config), split_embedding_output=False)
 
 
 def _is_litgpt_gpt(model: nn.Module) -> bool:
@@ -125,10 +132,9 @@ def _litgpt_plan(model: nn.Module) -> ModelPlan:
     styles: dict[str, Any] = {"transformer.h.*.attn.qkv": qkv, "transformer.h.*.attn.proj": RowwiseParallel()}
     styles.update({f"transformer.h.*.{name}": style for name, style in mlp_styles.items()})
     if model.lm_head.weight is model.transformer.wte.weight:
-        info_on_rank_zero(_logger, "tensor parallel: lm_head shares transformer.wte's weight: both left whole")
-    else:
-        styles["transformer.wte"] = RowwiseParallel(input_layouts=Replicate())
-        styles["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+        info_on_rank_zero(_logger, "tensor parallel: lm_head shares transformer.wte's weight: both split by rows")
+    styles["transformer.wte"] = RowwiseParallel(input_layouts=Replicate())
+    styles["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     return ModelPlan(
         styles=styles,
         heads={"config.n_head": heads, "config.n_query_groups": groups},

@@ -6,12 +6,19 @@ so their names are translated into torch's styles here.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.tensor import Replicate
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,49 @@ class FusedColwise:
         if self.blocks is not None:
             return self.blocks
         return (rows // self.parts,) * self.parts
+
+
+class SequenceParallelNorm(SequenceParallel):
+    """``SequenceParallel`` on a norm in front of column-wise layers: computes on its sequence shard, then
+    all-gathers the normalised sequence once (a replicated DTensor, so the backward is one reduce-scatter of the
+    layers' partial gradients), where torchtitan's plan has ``PrepareModuleInput(Shard(1) -> Replicate())`` on the
+    attention and MLP modules. Also takes the module's positional and keyword arguments as they come."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._replicate_module_fn,
+            partial(self._prepare_input_fn, self.sequence_sharding),
+            _gather_sequence,
+        )
+
+
+def _gather_sequence(module: nn.Module, output: DTensor, device_mesh: DeviceMesh) -> DTensor:
+    return output.redistribute(placements=[Replicate()])
+
+
+class SplitSequence(ParallelStyle):
+    """Gives a module its rank's part of the sequence (dim 1) of its first argument, a full sequence on every rank.
+
+    For models whose code between the embedding and the first layer reads the sequence length from the embedding's
+    output (transformers' positions and masks): the embedding's output stays whole and the first layer splits it;
+    the backward all-gathers the gradient.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        parts: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+        def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if parts.get(id(args[0])) is args[0]:  # activation checkpointing recomputes from the split input
+                return None
+            whole = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
+            part = whole.redistribute(placements=[Shard(1)]).to_local()
+            parts[id(part)] = part
+            return (part, *args[1:]), kwargs
+
+        module.register_forward_pre_hook(split, with_kwargs=True)
+        return module
 
 
 def _colwise_gathered() -> ParallelStyle:

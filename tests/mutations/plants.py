@@ -177,4 +177,16 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_strategy.py::test_training_matches_single_process[llama-no-reshard]",),
     ),
+    "25a": Plant(
+        "compiled blocks under tensor parallelism train like eager (#25)",
+        "the embedding's asynchronous TP output reaches the compiled block (litgpt's embedding gets no gradient)",
+        (("        finish_collectives_before_units(module, units)\n", ""),),
+        ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[1x4-mesh122]",),
+    ),
+    "25b": Plant(
+        "selective activation checkpointing saves the matmuls (#25)",
+        "selective AC saves no op's output (recomputes the matmuls too, like full AC)",
+        (("    ops = [getattr(aten, name).default for name in names]\n", "    ops = []\n"),),
+        ("tests/test_levers_units.py::test_activation_checkpointing_modes_recompute_what_they_say",),
+    ),
 }

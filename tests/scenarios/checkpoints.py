@@ -63,8 +63,10 @@ def train_steps(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: 
     inputs, targets = batch(2 * data["num_replicas"], seed=7)
     rows = slice(2 * data["rank"], 2 * data["rank"] + 2)
     for _ in range(steps):
-        loss = torch.nn.functional.cross_entropy(logits_of(model, inputs[rows]).flatten(0, 1), targets[rows].flatten())
-        fabric.backward(loss)
+        with fabric.strategy.loss_parallel():  # a no-op unless loss_parallel=True split the logits
+            logits = logits_of(model, inputs[rows])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
+            fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()

@@ -22,9 +22,10 @@ def make_fabric(num_nodes: int, devices: int, precision: str = "32-true", **stra
     return fabric
 
 
-def tiny_llama(seed: int = 0) -> Llama:
+def tiny_llama(seed: int = 0, **options: Any) -> Llama:
     torch.manual_seed(seed)
-    return Llama(LlamaConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=SEQ))
+    config = LlamaConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=SEQ, **options)
+    return Llama(config)
 
 
 def litgpt_config() -> Any:
@@ -70,14 +71,20 @@ def hf_config() -> Any:
     )
 
 
-def tiny_hf_llama(seed: int = 0) -> nn.Module:
+def tiny_hf_llama(seed: int = 0, tie_word_embeddings: bool = False) -> nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(hf_config())
+    config = hf_config()
+    config.tie_word_embeddings = tie_word_embeddings
+    model = LlamaForCausalLM(config)
+    if tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
 
 
 def layer_class(kind: str) -> type[nn.Module]:
+    kind = kind.split("-")[0]
     if kind == "llama":
         return Block
     if kind == "litgpt":
@@ -90,7 +97,14 @@ def layer_class(kind: str) -> type[nn.Module]:
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
-    return {"llama": tiny_llama, "litgpt": tiny_litgpt, "hf": tiny_hf_llama}[kind](seed)
+    """``llama`` (the example), ``litgpt``, ``hf``; ``hf-tied``/``llama-tied``: the output head shares the
+    embedding's weight; ``llama-dropout``: the example with dropout 0.5 everywhere it has dropout."""
+    variants = {
+        "hf-tied": lambda seed: tiny_hf_llama(seed, tie_word_embeddings=True),
+        "llama-tied": lambda seed: tiny_llama(seed, tie_embeddings=True),
+        "llama-dropout": lambda seed: tiny_llama(seed, dropout=0.5),
+    }
+    return {"llama": tiny_llama, "litgpt": tiny_litgpt, "hf": tiny_hf_llama, **variants}[kind](seed)
 
 
 def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -107,21 +121,16 @@ def batch(global_batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a full plain tensor (gathers DTensor shards), on CPU, in the model's own layout.
 
-    Tensor parallelism keeps the rows of fused projections (litgpt's qkv) grouped by rank; they are put back in the
-    model's order, as a checkpoint stores them.
+    As a user would take it: ``state_dict()`` and ``full_tensor()``. Tensor parallelism keeps the rows of fused
+    projections (litgpt's qkv) grouped by rank in memory; the state dict shows them in the model's order.
     """
     from torch.distributed.tensor import DTensor
 
-    from fabric_hsdp.tensor_parallel import fused_rows_of
-
     model = getattr(model, "module", model)
-    fused = fused_rows_of(model)
     state = {}
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
-        if name in fused:
-            tensor = fused[name].to_stored_order(tensor)
         state[name] = tensor.detach().cpu().clone()
     return state
 
@@ -130,10 +139,10 @@ def copy_full_into(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a sharded model: each rank keeps the slice its DTensor shard covers."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from fabric_hsdp.tensor_parallel import fused_rows_of
+    from fabric_hsdp.tensor_parallel import fused_rows_of, module_layout
 
     fused = fused_rows_of(getattr(model, "module", model))
-    with torch.no_grad():
+    with torch.no_grad(), module_layout():  # the parameters themselves, regrouped rows and all
         for name, tensor in model.state_dict().items():
             full = fused[name].to_module_order(state[name]) if name in fused else state[name]
             if isinstance(tensor, DTensor):

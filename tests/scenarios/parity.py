@@ -143,10 +143,12 @@ def _train_sharded(
         step_loss = torch.zeros(())
         for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):
             last = micro == accumulate - 1
-            with fabric.no_backward_sync(model, enabled=bug == "skip_sync_flush" or not last):
+            sync = fabric.no_backward_sync(model, enabled=bug == "skip_sync_flush" or not last)
+            with sync, fabric.strategy.loss_parallel():  # the latter a no-op unless loss_parallel=True
                 loss = _loss(model, micro_inputs, micro_targets)
                 fabric.backward(loss / accumulate)
-            step_loss += loss.detach() / accumulate
+            loss = loss.detach()
+            step_loss += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss) / accumulate
         if clip == "norm":
             norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
         elif clip == "value":
@@ -195,12 +197,15 @@ def parity(
     setup_together: bool = False,
     bugs: list[str] = (),
     kinds: list[str] | None = None,
+    variants: dict[str, dict[str, Any]] | None = None,
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Train sharded (and, for ``bugs``, with each bug planted); return distances to one process and the noise floor.
 
     ``kinds``: several models, one after the other in this launch (the result is then keyed by kind); ``bugs`` are
     planted in the first one only.
+    ``variants``: with ``kinds``, more strategies (label -> extra strategy arguments, e.g. sequence_parallel=True)
+    trained in the same launch against the same references; their distances under ``"variants"``.
     ``strategy_kwargs``: passed to the strategy, e.g. ``tensor_parallel_size=2``.
     """
     layers = {layer_class(name) for name in kinds or [kind]}
@@ -209,13 +214,27 @@ def parity(
     options = dict(steps=steps, accumulate=accumulate, clip=clip, setup_together=setup_together, bugs=bugs)
     if kinds is not None:  # the strategy's default sharded_modules: the layers of the models' nn.ModuleLists
         fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
-        return {name: _parity(fabric, name, **dict(options, bugs=bugs if name == kinds[0] else [])) for name in kinds}
+        others = {
+            label: make_fabric(num_nodes, devices, **strategy_kwargs, **extra)
+            for label, extra in (variants or {}).items()
+        }
+        return {
+            name: _parity(fabric, name, **dict(options, bugs=bugs if name == kinds[0] else []), variants=others)
+            for name in kinds
+        }
     fabric = make_fabric(num_nodes, devices, sharded_modules=layers, **strategy_kwargs)
     return _parity(fabric, kind, **options)
 
 
 def _parity(
-    fabric: Any, kind: str, steps: int, accumulate: int, clip: str | None, setup_together: bool, bugs: list[str]
+    fabric: Any,
+    kind: str,
+    steps: int,
+    accumulate: int,
+    clip: str | None,
+    setup_together: bool,
+    bugs: list[str],
+    variants: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     sampler = fabric.strategy.distributed_sampler_kwargs
     num_rows = MICRO_BATCH * accumulate * sampler["num_replicas"]
@@ -237,6 +256,10 @@ def _parity(
         "floor": {what: max(floor[what] for floor in floors) for what in floors[0]},
         "ours": distance(ours, full_batch),
         "bugs": {bug: distance(_train_sharded(fabric, *options, bug=bug), full_batch) for bug in bugs},
+        "variants": {
+            label: distance(_train_sharded(other, *options, bug=None), full_batch)
+            for label, other in (variants or {}).items()
+        },
         "sampler": sampler,
         "batches": ours.batches,
         "forwards_per_micro_batch": ours.forwards_per_micro_batch,

@@ -20,10 +20,20 @@ TOKENS = torch.arange(2 * 16).remainder(256).view(2, 16)
 
 
 def save(
-    num_nodes: int, devices: int, out: str, tensor_parallel_size: int, async_save: bool = False, full: bool = False
+    num_nodes: int,
+    devices: int,
+    out: str,
+    tensor_parallel_size: int,
+    async_save: bool = False,
+    full: bool = False,
+    **strategy_kwargs: Any,
 ) -> dict[str, Any]:
-    """Train 2 steps and save sharded (and, with ``full``, as one .pth and one .safetensors file)."""
-    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size, async_save=async_save)
+    """Train 2 steps and save sharded (and, with ``full``, as one .pth and one .safetensors file).
+
+    ``strategy_kwargs``: e.g. ``sequence_parallel=True``."""
+    fabric = make_fabric(
+        num_nodes, devices, tensor_parallel_size=tensor_parallel_size, async_save=async_save, **strategy_kwargs
+    )
     facts = {}
     for kind in KINDS:
         model, optimizer, scheduler = setup_training(fabric, kind, empty_init=False, seed=0)
@@ -46,7 +56,12 @@ def save(
 
 
 def load(
-    num_nodes: int, devices: int, out: str, tensor_parallel_size: int, split_replica_reads: bool = False
+    num_nodes: int,
+    devices: int,
+    out: str,
+    tensor_parallel_size: int,
+    split_replica_reads: bool = False,
+    **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Load each saved checkpoint into a meta-initialised model on this layout; compare exactly with expected.
 
@@ -54,7 +69,11 @@ def load(
     the same way (facts under ``KIND-full``).
     """
     fabric = make_fabric(
-        num_nodes, devices, tensor_parallel_size=tensor_parallel_size, split_replica_reads=split_replica_reads
+        num_nodes,
+        devices,
+        tensor_parallel_size=tensor_parallel_size,
+        split_replica_reads=split_replica_reads,
+        **strategy_kwargs,
     )
     facts = {}
     for kind in KINDS:
@@ -82,13 +101,15 @@ def load(
     return facts
 
 
-def load_raw(num_nodes: int, devices: int, cases: list[dict[str, Any]], tensor_parallel_size: int = 2) -> list[dict]:
+def load_raw(
+    num_nodes: int, devices: int, cases: list[dict[str, Any]], tensor_parallel_size: int = 2, **strategy_kwargs: Any
+) -> list[dict]:
     """Each case: fill a meta-initialised model from a consolidated file; compare the gathered weights exactly.
 
     Also counts the tensor bytes each rank reads.
     """
     counter = ReadCounter()
-    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size)
+    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size, **strategy_kwargs)
     results = []
     for case in cases:
         with fabric.init_module(empty_init=True):

@@ -1,7 +1,9 @@
 """Checkpoints, raw loading and conversion under tensor parallelism (transformers' Llama and litgpt's GPT, both GQA).
 
-Saved on (1, 2, 2) (one node of 4, TP=2) and on plain HSDP 2 x 2; loaded on another TP size, shard size or node
-count: TP=2 -> TP=1, TP=1 -> TP=2, (1, 2, 2) -> (2, 1, 2) (with split replica reads), (1, 2, 2) -> HSDP 2 x 2.
+Saved on (1, 2, 2) (one node of 4, TP=2, with sequence and loss parallelism) and on plain HSDP 2 x 2; loaded on
+another TP size, shard size or node count, with the levers off or on: TP=2 -> TP=1, TP=1 -> TP=2 with sequence and
+loss parallelism, (1, 2, 2) -> (2, 1, 2) (with split replica reads, no sequence parallelism), (1, 2, 2) -> HSDP 2 x 2.
+Plain TP=2 saves loaded with the levers on: ``test_tensor_parallel.py``.
 """
 
 import json
@@ -30,9 +32,10 @@ def _assert_exact(facts, kinds=KINDS):
 
 @pytest.fixture(scope="module")
 def saved_with_tp(tmp_path_factory):
-    """Saved in the background on (1, 2, 2), plus the full exports of the same state."""
+    """Saved in the background on (1, 2, 2) with sequence and loss parallelism, plus full exports of the same state."""
     out = tmp_path_factory.mktemp("tp2")
     args = {"out": str(out), "tensor_parallel_size": 2, "async_save": True, "full": True}
+    args.update(sequence_parallel=True, loss_parallel=True)
     launch("tests.scenarios.tp_checkpoints:save", args, num_nodes=1, ranks_per_node=4, timeout=300).check()
     return out
 
@@ -63,7 +66,7 @@ def test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts(
 
 
 def test_checkpoint_without_tensor_parallelism_loads_exactly_with_it(saved_without_tp):
-    args = {"out": str(saved_without_tp), "tensor_parallel_size": 2}
+    args = {"out": str(saved_without_tp), "tensor_parallel_size": 2, "sequence_parallel": True, "loss_parallel": True}
     result = launch("tests.scenarios.tp_checkpoints:load", args, num_nodes=1, ranks_per_node=4, timeout=300)
     for facts in result.check().values:
         assert facts["hf"]["mesh"] == (1, 2, 2)
@@ -143,9 +146,9 @@ def test_raw_loads_fill_tensor_parallel_shards_reading_only_their_elements(conso
             case(kind, f"{kind}-dcp"),
         ]
     cases.append(case("hf", "hf-dir"))
-    result = launch(
-        "tests.scenarios.tp_checkpoints:load_raw", {"cases": cases}, num_nodes=1, ranks_per_node=4, timeout=400
-    )
+    # with sequence parallelism: norms are DTensors replicated over the tensor-parallel ranks too
+    args = {"cases": cases, "sequence_parallel": True}
+    result = launch("tests.scenarios.tp_checkpoints:load_raw", args, num_nodes=1, ranks_per_node=4, timeout=400)
     values = result.check().values
     for rank_values in values:
         for spec, outcome in zip(cases, rank_values):

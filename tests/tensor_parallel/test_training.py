@@ -6,15 +6,18 @@ import torch
 from tests.helpers.launch import launch
 from tests.test_strategy import within_noise
 
-KINDS = ["llama", "hf", "litgpt"]  # the example LLaMA, transformers' Llama and litgpt's GPT, both with GQA
+# the example LLaMA, transformers' Llama and litgpt's GPT (both with GQA), and transformers' Llama with tied embeddings
+KINDS = ["llama", "hf", "litgpt", "hf-tied"]
+LEVERS = {"sequence_parallel": True, "loss_parallel": True}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(460)  # one launch of 400 s
+@pytest.mark.timeout(660)  # one launch of 600 s: plain TP and the levers, 4 models
 @pytest.mark.parametrize(
     ("nodes", "per_node", "mesh"), [(1, 4, (1, 2, 2)), (2, 2, (2, 1, 2))], ids=["1x4-mesh122", "2x2-mesh212"]
 )
 def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node, mesh):
+    """Plain TP and TP with sequence + loss parallelism, each against the same single-process runs."""
     # the control: the same criterion must fail a planted bug (no gradient reduction across data-parallel ranks)
     options = {
         "kinds": KINDS,
@@ -22,6 +25,7 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
         "clip": "norm",
         "activation_checkpointing": True,
         "bugs": ["skip_sync_flush"],
+        "variants": {"levers": LEVERS},
     }
     values = (
         launch(
@@ -29,7 +33,7 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
             dict(options, tensor_parallel_size=2),
             num_nodes=nodes,
             ranks_per_node=per_node,
-            timeout=400,
+            timeout=600,
         )
         .check()
         .values
@@ -41,6 +45,8 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
             assert not within_noise(facts["ours"], facts["floor"]), (kind, rank, facts["ours"], facts["floor"])
             assert facts["forwards_per_micro_batch"] == 2, (kind, facts["forwards_per_micro_batch"])  # recomputed
         facts = values[0][kind]
+        levers = facts["variants"]["levers"]
+        assert not within_noise(levers, facts["floor"]), (kind, levers, facts["floor"])
         # tensor-parallel peers (consecutive ranks) got the same micro-batches, data-parallel ranks different ones
         samplers = [v[kind]["sampler"] for v in values]
         assert samplers == [{"num_replicas": data_parallel, "rank": rank // 2} for rank in range(4)]
@@ -90,8 +96,8 @@ def test_init_under_tensor_parallelism():
         (
             {"tensor_parallel_size": 2, "heads": 3},
             "ValueError: tensor_parallel_size(2) does not divide config.num_attention_heads(3) of LlamaForCausalLM:"
-            " each tensor-parallel rank must hold whole attention heads. Choose a tensor_parallel_size that divides 3:"
-            " [1, 3].",
+            " each tensor-parallel rank must hold whole attention heads. Choose a tensor_parallel_size that passes"
+            " every check of this model and layout: [1].",
         ),
     ],
     ids=["size-crosses-nodes", "three-heads-over-two"],
@@ -104,3 +110,48 @@ def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
         assert message in rank.stderr, rank.stderr[-2000:]
         # fast: every rank ended by itself with the error, none was left in a collective for the launcher to kill
         assert "setup ended after" in rank.stdout, rank.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(560)  # one launch of 500 s
+def test_ties_export_layout_dropout_and_checkpoints_across_sequence_and_loss_parallelism(tmp_path):
+    """One launch on (1, 2, 2), strategies one after another (see tests/scenarios/tp_levers.py)."""
+    values = launch("tests.scenarios.tp_levers:levers", {"out": str(tmp_path)}, timeout=500).check().values
+    facts = values[0]
+    print({key: value for key, value in facts.items() if key != "memory"})
+    # tied embeddings: one parameter split by vocabulary rows, as many in the optimizer as in the model, equal after
+    # a step (plain TP and with the levers); parity with one process: hf-tied in the training test above
+    for label in ("tied", "tied_levers"):
+        for kind, tied in facts[label].items():
+            assert tied["same_parameter"] and tied["equal_after_step"], (label, kind, tied)
+            assert tied["optimizer_parameters"] == tied["reference_parameters"], (label, kind, tied)
+            assert tied["placements"] == ("R", "_S(0, 2)", "S(0)"), (label, kind, tied)
+    # torch's export paths give litgpt's [Q; K; V] rows, exactly the single-process state dict, which litgpt loads
+    export = facts["export"]
+    for path in ("full_state_dict", "state_dict", "dcp", "set_full_state_dict", "dcp_round_trip"):
+        assert export[path] == [], (path, export[path])
+    assert export["litgpt_logits_equal"]
+    # checkpoints saved with sequence + loss parallelism load exactly without them, and the reverse
+    for name, result in facts["checkpoints"].items():
+        assert result["compared"] > 10 and result["model"] == [] and result["optimizer"] == [], (name, result)
+    # dropout, ranks seeded per rank: tensor-parallel peers draw the same masks where they hold the same values
+    # (embeddings, residual branches) and their own inside attention (heads); with sequence parallelism each
+    # layer works on a sequence shard: own masks there. Recomputation (activation checkpointing) redraws the same.
+    dropout = facts["dropout"]
+    per_layer_tp, per_layer_sp = [False, True, True], [False, False, False]
+    assert dropout["tp"]["peers_equal"] == [True, *per_layer_tp * 2], dropout["tp"]
+    assert dropout["sp"]["peers_equal"] == [True, *per_layer_sp * 2], dropout["sp"]
+    for label in ("tp", "sp", "tp-ac", "sp-ac"):
+        assert dropout[label]["peers_equal"] == dropout[label]["peers_equal_2_3"], dropout[label]
+    assert dropout["tp-ac"]["peers_equal"][:7] == dropout["tp"]["peers_equal"]
+    assert dropout["sp-ac"]["peers_equal"][:7] == dropout["sp"]["peers_equal"]
+    assert dropout["tp-ac"]["calls"] > 7 and dropout["sp-ac"]["calls"] > 7  # the layers' dropouts again in backward
+    assert dropout["recompute_unequal"] == {"tp-ac": [], "sp-ac": []}, dropout["recompute_unequal"]
+    # memory per rank: sequence parallelism saves fewer activations, loss parallelism holds 1/2 of the logits
+    memory = facts["memory"]
+    for kind in ("llama", "hf", "litgpt"):
+        plain, levers = memory["tp"][kind], memory["levers"][kind]
+        assert levers["model"] < 0.9 * plain["model"], (kind, plain, levers)
+        assert levers["logits"] * 2 == plain["logits"], (kind, plain, levers)
+        assert levers["loss"] < 0.6 * plain["loss"], (kind, plain, levers)
+    print({label: memory[label] for label in memory})

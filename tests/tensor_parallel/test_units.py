@@ -70,3 +70,87 @@ def test_an_uneven_split_by_any_plan_is_refused(monkeypatch):
             _check_even_splits(model, 2)
     finally:
         dist.destroy_process_group()
+
+
+class _Mesh:
+    """Stands in for a tensor-parallel mesh of ``size`` ranks where only the size is read (checks before changes)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_too_few_key_value_heads_are_refused_with_the_sizes_that_pass_every_check():
+    from fabric_hsdp.tensor_parallel import apply_tensor_parallel
+
+    # litgpt: 4 query heads, 2 key/value groups; a node of 8 could take T = 1, 2, 4, 8, but only 1 and 2 split whole
+    # key/value heads (and every other split dim)
+    with pytest.raises(ValueError) as error:
+        apply_tensor_parallel(build("litgpt"), "auto", _Mesh(4), largest_size=8)
+    assert str(error.value) == (
+        "tensor_parallel_size(4) does not divide config.n_query_groups(2) of GPT: each tensor-parallel rank must hold"
+        " whole attention heads. Fewer key/value heads than tensor-parallel ranks (Megatron replicates them) is not"
+        " supported. Choose a tensor_parallel_size that passes every check of this model and layout: [1, 2]."
+    )
+    # transformers' Llama at T=8: the query heads fail first; still only sizes that pass every check
+    with pytest.raises(ValueError, match=r"does not divide config.num_attention_heads\(4\) .*layout: \[1, 2\]\.$"):
+        apply_tensor_parallel(build("hf"), "auto", _Mesh(8), largest_size=8)
+
+
+def test_sequence_and_loss_parallelism_need_tensor_parallelism_and_a_plan_to_change():
+    from fabric_hsdp.tensor_parallel import apply_tensor_parallel, validate_levers
+
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) splits over the tensor-parallel ranks, but"):
+        validate_levers(True, False, 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan is a callable, which applies its own"):
+        apply_tensor_parallel(build("llama"), lambda model, mesh: None, _Mesh(2), loss_parallel=True)
+
+
+def test_fused_rows_state_dict_shows_the_stored_order_and_loads_it():
+    from fabric_hsdp.tensor_parallel import module_layout
+    from fabric_hsdp.tensor_parallel.fused_rows import add_state_dict_hooks
+
+    fused = FusedRows(blocks=(4, 2, 2), parts=2)
+    module = torch.nn.Linear(1, 8, bias=False)
+    with torch.no_grad():
+        module.weight.copy_(fused.to_module_order(torch.arange(8.0)).view(8, 1))  # as tensor parallelism holds it
+    add_state_dict_hooks(module, fused)
+    assert module.state_dict()["weight"].flatten().tolist() == list(range(8))  # litgpt's [Q; K; V]
+    with module_layout():  # this package's checkpoint code sees the rows as they are
+        assert module.state_dict()["weight"].flatten().tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    module.load_state_dict({"weight": torch.arange(8.0).view(8, 1) + 10})
+    assert module.weight.flatten().tolist() == [10, 11, 14, 16, 12, 13, 15, 17]
+
+
+def test_tied_weights_split_differently_are_refused(monkeypatch):
+    """The example model with its head tied to the embedding; a plan splitting only the head would untie them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fabric_hsdp.tensor_parallel import apply_tensor_parallel
+    from fabric_hsdp.tensor_parallel.tied import tied_groups
+    from tests.helpers.launch import free_port
+
+    assert tied_groups(build("hf-tied")) == [("model.embed_tokens.weight", "lm_head.weight")]
+    assert tied_groups(build("hf")) == []
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = build("llama-tied")
+        apply_tensor_parallel(model, "auto", init_device_mesh("cpu", (1,)))  # both split by rows: kept tied
+        assert model.output.weight is model.tok_embeddings.weight
+        with pytest.raises(ValueError) as error:
+            apply_tensor_parallel(
+                build("llama-tied"), {"output": "colwise_gather_output"}, init_device_mesh("cpu", (1,))
+            )
+        assert str(error.value).startswith(
+            "tok_embeddings.weight and output.weight are one tied parameter, but tensor_parallel_plan splits its"
+            " holders differently (tok_embeddings.weight whole, output.weight (S(0))), which would untie"
+            " them and train two copies. Split every holder along the same dim (an embedding with"
+            " 'embedding_rowwise'"
+        )
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,124 @@
+"""Step time and peak memory of the levers against the plain strategy, in the same processes and the same run.
+
+1 node x 2 CPU ranks (gloo, ``tests/helpers/launch.py``), FSDP over both; the example LLaMA (``examples/tiny_llama``)
+at dim 256, 4 layers, 8 heads, sequence 256, micro-batch 4. Each rank sets up one model per variant -- plain (no
+activation checkpointing), AC full, selective, every 2nd block, ``compile=True`` (inductor), compile + selective --
+runs a warm-up step each (compile happens there), then ``--rounds`` rounds in which every variant runs ``--steps``
+steps, the order rotated each round. Per variant: the median step seconds (the slowest rank's), and the peak resident
+memory of a step above the resident memory before it (``VmHWM`` reset through ``/proc/self/clear_refs``, glibc told to
+return freed blocks: ``MALLOC_MMAP_THRESHOLD_``), the larger of the two ranks. Ratios are against plain.
+
+Run: ``python benchmarks/levers.py`` (a few minutes on 2 cores) or ``--rounds 2 --steps 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VARIANTS = {
+    "plain": {},
+    "AC full": {"ac": "full"},
+    "AC selective": {"ac": "selective"},
+    "AC every 2nd": {"ac": 2},
+    "compile": {"compile": True},
+    "compile + selective": {"compile": True, "ac": "selective"},
+}
+SEQ, BATCH = 256, 4
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any]:
+    import lightning as L
+    import torch
+
+    from examples.tiny_llama import Block, Llama, LlamaConfig
+    from fabric_hsdp import HybridFSDPStrategy
+
+    torch.set_num_threads(1)
+    setups = {}
+    for name, lever in VARIANTS.items():
+        kwargs: dict[str, Any] = {"sharded_modules": {Block}, "compile": lever.get("compile", False)}
+        if "ac" in lever:
+            kwargs.update(activation_checkpointing={Block}, activation_checkpointing_mode=lever["ac"])
+        fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=HybridFSDPStrategy(**kwargs))
+        fabric.launch()
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=8, hidden_dim=688, max_seq_len=SEQ)
+        model = fabric.setup_module(Llama(config))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        setups[name] = (fabric, model, optimizer)
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    tokens = torch.randint(0, 512, (BATCH, SEQ + 1), generator=generator)
+
+    def step(name: str) -> tuple[float, int]:
+        fabric, model, optimizer = setups[name]
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set size
+        before = _status("VmRSS")
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - start, _status("VmHWM") - before
+
+    warm_up = {name: step(name)[0] for name in VARIANTS}
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    peaks: dict[str, list[int]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
+    for index in range(rounds):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            fabric.barrier()
+            for _ in range(steps):
+                seconds, peak = step(name)
+                times[name].append(seconds)
+                peaks[name].append(peak)
+    return {"warm_up": warm_up, "times": times, "peaks": peaks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    from tests.helpers.launch import launch
+
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    result = launch(
+        "benchmarks.levers:rank",
+        {"rounds": args.rounds, "steps": args.steps},
+        num_nodes=1,
+        ranks_per_node=2,
+        timeout=1800,
+        env=env,
+    ).check()
+    values = result.values
+    step = {
+        name: statistics.median(max(v["times"][name][i] for v in values) for i in range(len(values[0]["times"][name])))
+        for name in VARIANTS
+    }
+    peak = {name: max(statistics.median(v["peaks"][name]) for v in values) for name in VARIANTS}
+    warm = {name: max(v["warm_up"][name] for v in values) for name in VARIANTS}
+    print(f"1 node x 2 CPU ranks, {args.rounds} rounds x {args.steps} steps; medians; ratios vs plain")
+    print(f"{'variant':<22}{'step s':>9}{'x plain':>9}{'peak MiB':>10}{'x plain':>9}{'first step s':>14}")
+    for name in VARIANTS:
+        print(
+            f"{name:<22}{step[name]:>9.3f}{step[name] / step['plain']:>9.2f}{peak[name] / 2**20:>10.1f}"
+            f"{peak[name] / peak['plain']:>9.2f}{warm[name]:>14.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
