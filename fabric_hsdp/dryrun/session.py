@@ -143,7 +143,7 @@ class DryRunSession:
         from fabric_hsdp.planning.model import model_shape_of_module
 
         try:
-            self.model_shape = model_shape_of_module(module, tensor_parallel_plan=strategy._tensor_parallel_plan)
+            self.model_shape = model_shape_of_module(module, tensor_parallel_plan=_tensor_parallel_plan(strategy))
         except Exception as error:  # noqa: BLE001 - the plan comparison is a bonus, never a reason to fail
             self.notes.append(f"no planner comparison: {error}")
         result = original(strategy, module)
@@ -217,6 +217,11 @@ class DryRunSession:
         record.by_dry_run = True
         self.saves.append(record)
         self.meter.end("save")
+
+
+def _tensor_parallel_plan(strategy: Any) -> Any:
+    levers = getattr(strategy, "_levers", None)  # the strategy's setup options (fabric_hsdp/parallelize.py)
+    return getattr(levers, "tensor_parallel_plan", getattr(strategy, "_tensor_parallel_plan", "auto"))
 
 
 @contextmanager
