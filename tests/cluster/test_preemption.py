@@ -67,7 +67,8 @@ def test_usr1_mid_training_saves_on_every_rank_requeues_and_the_restarted_job_fi
             info = slurm_cluster.job(job_id, timeout=0)
             if not released and info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
                 # slurmctld holds a requeued job back ~2 minutes on purpose; a test need not wait for that
-                released = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
+                update = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=30)
+                released = update.returncode == 0
             if int(info.get("Restarts", 0)) >= 1 and info["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING",
                                                                                  "COMPLETING", "REQUEUED"):  # fmt: skip
                 break
