@@ -51,9 +51,12 @@ def newest_complete(directory: Path) -> tuple[Path | None, list[str]]:
 
 def point_latest(directory: Path, checkpoint: Path) -> None:
     """Make ``directory/latest`` a symlink to ``checkpoint`` in one rename (readers see the old or the new one)."""
+    target = directory / LATEST
+    if target.is_dir() and not target.is_symlink():
+        raise FileExistsError(f"'{target}' is a directory, not the symlink this job keeps there; move it away")
     staging = directory / f".{LATEST}.tmp-{uuid.uuid4().hex[:12]}"
     os.symlink(checkpoint.name, staging)
-    os.replace(staging, directory / LATEST)
+    os.replace(staging, target)
 
 
 def keep_last(directory: Path, count: int) -> list[Path]:

@@ -213,7 +213,8 @@ def test_main_job_fine_tunes_both_formats_on_two_nodes_and_the_exports_reproduce
     for fmt, files in exports.items():
         assert files <= {path.name for path in (tmp_path / fmt / "export").iterdir()}
         checkpoints = sorted(path.name for path in (tmp_path / fmt / "checkpoints").iterdir())
-        assert checkpoints == ["step-000002", "step-000004"]  # every max_steps / 2, and the last
+        assert checkpoints == ["latest", "step-000002", "step-000004"]  # every max_steps / 2, and the last
+        assert os.readlink(tmp_path / fmt / "checkpoints" / "latest") == "step-000004"
         checks[fmt] = check = json.loads((tmp_path / fmt / "export_check.json").read_text())
         assert check["format"] == fmt
         assert check["max_logit_diff"] == 0.0, check
@@ -230,7 +231,7 @@ def test_finetune_resumes_from_its_sharded_checkpoint_exactly(main_job, tmp_path
     """The main job's litgpt run without its last checkpoint, started again on 2 x 2 ranks: it resumes at step 2 and
     ends where the uninterrupted run ended, and exports again."""
     out_dir = tmp_path / "litgpt"
-    shutil.copytree(main_job / "litgpt", out_dir)
+    shutil.copytree(main_job / "litgpt", out_dir, symlinks=True)  # `latest` stays a link, as cp -r keeps it
     shutil.rmtree(out_dir / "checkpoints" / "step-000004")
     shutil.rmtree(out_dir / "export")
     straight = json.loads((out_dir / "export_check.json").read_text())["fine_tuned_val_loss"]
