@@ -66,7 +66,10 @@ def test_usr1_mid_training_saves_on_every_rank_requeues_and_the_restarted_job_fi
         while True:  # REQUEUED/PENDING/RUNNING again, until the second run ends
             info = slurm_cluster.job(job_id, timeout=0)
             if not released and info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
-                # slurmctld holds a requeued job back ~2 minutes on purpose; a test need not wait for that
+                # slurmctld holds a requeued job back ~2 minutes on purpose (its credential's lifetime); a test
+                # need not wait for that, but slurmd refuses a relaunch whose credential is from the same second as
+                # the old one's revocation ("Job 1 already killed, do not launch batch job": CI, 2026-12-02)
+                time.sleep(2)
                 update = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=30)
                 released = update.returncode == 0
             if int(info.get("Restarts", 0)) >= 1 and info["JobState"] not in ("PENDING", "CONFIGURING", "RUNNING",
