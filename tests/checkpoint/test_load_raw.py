@@ -89,9 +89,13 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
         {**base, "file": str(root / "broken.pth")},
         {**base, "file": str(root / "prefixed.pth")},
         {**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3},
+        # load_turn_size=1 (the default): local rank 1 of each node reads in the second of two turns
+        {**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3, "mode": "turns"},
     ]
     values = _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases}))
-    for rank, (broken, prefixed, unreadable) in enumerate(values):
+    for rank, (broken, prefixed, unreadable, in_turns) in enumerate(values):
+        if rank != 3:
+            assert "(turn 2 of 2) failed on rank 3: FileNotFoundError" in in_turns["error"], in_turns
         message = broken["error"]
         assert message.startswith("CheckpointError: checkpoint '")
         assert "has no tensor for 'layers.1.feed_forward.w1.weight' (model expects [96, 64] float32)" in message
@@ -104,9 +108,13 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
         else:
             assert unreadable["error"].startswith("PeerRankError: loading '")
             assert "failed on rank 3: FileNotFoundError" in unreadable["error"]
-    # strict=False loads what matches
+    # strict=False loads what matches; the strategy's load_turn_size=2 lets both local ranks of a node read at once
     cases = [{**base, "file": str(root / "broken.pth"), "strict": False}]
-    for (outcome,) in _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases})):
+    cases += [{**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3, "mode": "turns"}]
+    args = {"kind": "llama", "cases": cases, "strategy": {"load_turn_size": 2}}
+    for rank, (outcome, in_turns) in enumerate(_cases(launch("tests.scenarios.loading:load_cases", args))):
+        if rank != 3:
+            assert "(turn 1 of 1) failed on rank 3: FileNotFoundError" in in_turns["error"], in_turns
         assert outcome["missing"] == ["layers.1.feed_forward.w1.weight"]
         assert outcome["unexpected"] == ["layers.9.extra.weight"]
         assert outcome["loaded"] == 19  # also skips the mis-shaped norm.weight

@@ -177,6 +177,12 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_strategy.py::test_training_matches_single_process[llama-no-reshard]",),
     ),
+    "10e": Plant(
+        "load_turn_size in a launched run",
+        "the strategy's load_turn_size never reaches the turns of load_mode='turns' (one rank per node at a time)",
+        (("                turn_size=self.load_turn_size,\n", "                turn_size=1,\n"),),
+        ("tests/checkpoint/test_load_raw.py::test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open",),
+    ),
     "25a": Plant(
         "compiled blocks under tensor parallelism train like eager (#25)",
         "the embedding's asynchronous TP output reaches the compiled block (litgpt's embedding gets no gradient)",
