@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"], help="for the 8b case")
     options = parser.parse_args()
     case = options.case
-    print("machine: 2 cores, 24 GiB, shared by 8 engineers (timings are loaded-machine figures)")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    print(f"machine: {os.cpu_count()} cores, {memory:.0f} GiB, load average {os.getloadavg()[0]:.1f} at the start")
     if case in ("70b", "70b-load"):
         case_70b(load=case == "70b-load")
     elif case == "8b":
