@@ -38,8 +38,14 @@ from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.parallelize import Levers, parallelize, validate_activation_checkpointing_mode, validate_compile
-from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, smallest_budget
-from fabric_hsdp.planning.memory import Workload
+from fabric_hsdp.planning.auto import (
+    auto_topology,
+    check_memory_budget,
+    describe_choice,
+    smallest_budget,
+    training_of,
+)
+from fabric_hsdp.planning.memory import Training, Workload
 from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
 from fabric_hsdp.sharding import (
     ModulePolicy,
@@ -382,19 +388,26 @@ class HybridFSDPStrategy(ParallelStrategy):
                 ranks_per_node=self.num_processes,
                 tensor_parallel_size=self._tensor_parallel_size,
                 tensor_parallel_plan=self._levers.tensor_parallel_plan,
-                precision=self.precision_name,
-                workload=self._workload,
-                activation_checkpointing=self._activation_checkpointing is not None,
-                activation_checkpointing_mode=self._levers.activation_checkpointing_mode,
-                cpu_offload=self._cpu_offload,
-                reshard_after_forward=self._reshard_after_forward,
+                training=self.planner_training(self._workload),
                 backend=self._process_group_backend,
-                sequence_parallel=self._levers.sequence_parallel,
-                loss_parallel=self._levers.loss_parallel,
             )
         self._mesh = self._topology.build_mesh(self.root_device.type)
         info_on_rank_zero(_logger, "%s", describe_choice(layout_plan))
         info_on_rank_zero(_logger, "%s", self._topology.describe())
+
+    def planner_training(self, workload: Workload | None = None) -> Training:
+        """How the planner sees this strategy's training (precision, levers, offload) for ``workload``: what
+        ``shard_size="auto"`` chooses with and the dry run's report compares against."""
+        return training_of(
+            precision=self.precision_name,
+            workload=workload,
+            activation_checkpointing=self._activation_checkpointing is not None,
+            activation_checkpointing_mode=self._levers.activation_checkpointing_mode,
+            cpu_offload=self._cpu_offload,
+            reshard_after_forward=self._reshard_after_forward,
+            sequence_parallel=self._levers.sequence_parallel,
+            loss_parallel=self._levers.loss_parallel,
+        )
 
     @override
     def setup_module_and_optimizers(

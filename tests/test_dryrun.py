@@ -78,6 +78,7 @@ def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scra
 def test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save(tmp_path):
     facts = tmp_path / "facts.json"
     args = [str(facts), "--num_nodes", "16", "--devices", "8", "--tp", "2", "--steps", "1", "--save", "ckpt"]
+    args += ["--levers"]  # selective AC and sequence parallelism: the planner's side of the report plans with them
     report = dry_run(SCRIPT, args, num_nodes=16, devices_per_node=8, rank=77, max_steps=3, scratch=tmp_path / "s")
     seen = json.loads(facts.read_text())
     assert (seen["world_size"], seen["global_rank"], seen["node_rank"], seen["local_rank"]) == (128, 77, 9, 5)
@@ -88,6 +89,7 @@ def test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save(tmp_pa
     assert not save["by_dry_run"] and save["path"] == "ckpt" and save["written"] > 0
     assert not Path("ckpt").exists()
     assert any("ended after 1 optimizer step" in note for note in report.notes)
+    assert report.planned.workload == "2 x 16 tokens, adamw, activation checkpointing (selective), sequence parallel"
 
 
 def test_object_collectives_answer_this_ranks_value_under_the_fake_backend():

@@ -180,7 +180,7 @@ def _planned(session: Any, notes: list[str]) -> PlannedMemory | None:
     """The planner's figures for the layout the strategy built and the workload the script ran."""
     if session.model_shape is None:
         return None
-    from fabric_hsdp.planning.memory import Training, Workload, memory_per_device
+    from fabric_hsdp.planning.memory import Workload, memory_per_device
 
     strategy = session.strategy
     topology = strategy.topology
@@ -188,15 +188,7 @@ def _planned(session: Any, notes: list[str]) -> PlannedMemory | None:
     if session.tokens_shape is None:
         notes.append("no forward seen: the planner's activations are for 1 x 2048 tokens")
     workload = Workload(int(batch), int(seq_len), _optimizer_kind(session.optimizers))
-    offload = strategy._cpu_offload if isinstance(strategy._cpu_offload, bool) else True
-    raf = strategy._reshard_after_forward
-    training = Training(
-        precision=strategy.precision_name,
-        workload=workload,
-        activation_checkpointing=strategy._activation_checkpointing is not None,
-        cpu_offload=offload,
-        reshard_after_forward=None if raf is None else bool(raf),
-    )
+    training = strategy.planner_training(workload)
     memory = memory_per_device(session.model_shape, training, topology.fsdp_size, topology.tensor_parallel_size)
     return PlannedMemory(
         parameters=memory.parameters,
@@ -205,9 +197,17 @@ def _planned(session: Any, notes: list[str]) -> PlannedMemory | None:
         gathered=memory.gathered,
         activations=memory.activations,
         total=memory.total,
-        workload=f"{batch} x {seq_len} tokens, {workload.optimizer}"
-        + (", activation checkpointing" if training.activation_checkpointing else ""),
+        workload=", ".join([f"{batch} x {seq_len} tokens", workload.optimizer, *_levers(training)]),
     )
+
+
+def _levers(training: Any) -> list[str]:
+    """The options of ``training`` that change the planner's activation estimate, as the report names them."""
+    levers = []
+    if training.activation_checkpointing and training.activation_checkpointing_mode != "none":
+        levers.append(f"activation checkpointing ({training.activation_checkpointing_mode})")
+    levers += ["sequence parallel"] * training.sequence_parallel + ["loss parallel"] * training.loss_parallel
+    return levers
 
 
 def _optimizer_kind(optimizers: list[Any]) -> str:

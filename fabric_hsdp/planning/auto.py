@@ -64,37 +64,20 @@ def auto_topology(
     ranks_per_node: int,
     tensor_parallel_size: int,
     tensor_parallel_plan: Any,
-    precision: str,
-    workload: Workload | None,
-    activation_checkpointing: bool,
-    cpu_offload: Any,
-    reshard_after_forward: bool | int | None,
+    training: Training,
     backend: str | None,
-    activation_checkpointing_mode: str | int = "full",
-    sequence_parallel: bool = False,
-    loss_parallel: bool = False,
 ) -> tuple[Topology, Plan]:
     """Plan ``module`` with ``budget`` bytes per device; return the topology of the recommended layout and the plan.
 
     The tensor-parallel size is the strategy's (the plan varies ``shard_size`` only); the split dims come from its
-    ``tensor_parallel_plan``. The levers (AC mode, sequence and loss parallel) change the activation estimate as
-    ``fabric-hsdp plan``'s options do. The ranking is the plan's (per token; with the TP size fixed, the tokens per
-    step are the same for every row). No collectives.
+    ``tensor_parallel_plan``. ``training`` is the strategy's (:func:`training_of`): the levers (AC mode, sequence and
+    loss parallel) change the activation estimate as ``fabric-hsdp plan``'s options do. The ranking is the plan's
+    (per token; with the TP size fixed, the tokens per step are the same for every row). No collectives.
 
     Raises:
         NoLayoutFitsError: Nothing fits the budget; the message gives the smallest total and what would fit.
     """
     cluster = Cluster(num_nodes, ranks_per_node, budget, backend="gloo" if backend == "gloo" else "nccl")
-    training = Training(
-        precision=precision,
-        workload=workload or Workload(),
-        activation_checkpointing=activation_checkpointing,
-        cpu_offload=_offloads(cpu_offload),
-        reshard_after_forward=None if reshard_after_forward is None else bool(reshard_after_forward),
-        activation_checkpointing_mode=activation_checkpointing_mode,
-        sequence_parallel=sequence_parallel,
-        loss_parallel=loss_parallel,
-    )
     model = model_shape_of_module(module, tensor_parallel_plan=tensor_parallel_plan)
     plan = make_plan(model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size])
     if plan.recommended is None:
@@ -112,6 +95,32 @@ def describe_choice(plan: Plan) -> str:
         f"HybridFSDPStrategy(shard_size='auto') planned for {workload.micro_batch_size} x {workload.seq_len} tokens"
         f" per rank and {workload.optimizer} (pass workload=Workload(...) to change), with a budget of"
         f" {format_bytes(plan.cluster.device_memory)} per device:\n{plan_table(plan)}"
+    )
+
+
+def training_of(
+    *,
+    precision: str,
+    workload: Workload | None,
+    activation_checkpointing: bool,
+    cpu_offload: Any,
+    reshard_after_forward: bool | int | None,
+    activation_checkpointing_mode: str | int = "full",
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> Training:
+    """The planner's view of a strategy's options, as ``HybridFSDPStrategy`` takes them (``cpu_offload`` a bool or
+    an offload policy; ``reshard_after_forward`` a bool or an int): what ``shard_size="auto"`` and the dry run's
+    report plan with."""
+    return Training(
+        precision=precision,
+        workload=workload or Workload(),
+        activation_checkpointing=activation_checkpointing,
+        cpu_offload=_offloads(cpu_offload),
+        reshard_after_forward=None if reshard_after_forward is None else bool(reshard_after_forward),
+        activation_checkpointing_mode=activation_checkpointing_mode,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
     )
 
 

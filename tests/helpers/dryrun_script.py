@@ -1,8 +1,8 @@
 """A user's Fabric script, unchanged by the dry run: what ``tests/test_dryrun.py`` runs as one rank of a cluster.
 
 ``python dryrun_script.py FACTS_JSON [--shard_size S] [--tp T] [--init_from FILE] [--steps N] [--save DIR]
-[--no_launch]``: writes what the rank saw (world, ranks, mesh coordinates, sampler) to FACTS_JSON before training,
-and appends the step number to FACTS_JSON.steps after every optimizer step.
+[--no_launch] [--levers]``: writes what the rank saw (world, ranks, mesh coordinates, sampler) to FACTS_JSON before
+training, and appends the step number to FACTS_JSON.steps after every optimizer step.
 """
 
 from __future__ import annotations
@@ -31,12 +31,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--save", default=None)
     parser.add_argument("--no_launch", action="store_true")
+    parser.add_argument("--levers", action="store_true", help="selective activation checkpointing, sequence parallel")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num_nodes", type=int, default=2)
     args = parser.parse_args()
     shard_size = int(args.shard_size) if args.shard_size.isdigit() else args.shard_size
+    levers = dict(activation_checkpointing_mode="selective", sequence_parallel=True) if args.levers else {}
     strategy = HybridFSDPStrategy(
-        sharded_modules={Block}, shard_size=shard_size, tensor_parallel_size=args.tp, activation_checkpointing={Block}
+        sharded_modules={Block},
+        shard_size=shard_size,
+        tensor_parallel_size=args.tp,
+        activation_checkpointing={Block},
+        **levers,
     )
     fabric = L.Fabric(accelerator="cuda", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
     if not args.no_launch:

@@ -183,6 +183,20 @@ PLANTS: dict[str, Plant] = {
         (("                turn_size=self.load_turn_size,\n", "                turn_size=1,\n"),),
         ("tests/checkpoint/test_load_raw.py::test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open",),
     ),
+    "23a": Plant(
+        "the dry run's report plans with the strategy's levers (#23, #25)",
+        "the report's planner side ignores selective AC and sequence parallelism (it planned full AC, no SP, before)",
+        (
+            (
+                "    training = strategy.planner_training(workload)\n",
+                "    training = strategy.planner_training(workload)\n"
+                "    import dataclasses\n"
+                "    training = dataclasses.replace(training, activation_checkpointing_mode='full',"
+                " sequence_parallel=False)\n",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save",),
+    ),
     "25a": Plant(
         "compiled blocks under tensor parallelism train like eager (#25)",
         "the embedding's asynchronous TP output reaches the compiled block (litgpt's embedding gets no gradient)",

@@ -29,8 +29,7 @@ def test_auto_takes_the_recommended_layout_and_says_when_nothing_fits():
     shape, training = model_shape_of_module(model), Training("32-true", Workload(2, 8))
     node, world = (memory_per_device(shape, training, shard, 1).total for shard in (2, 4))
     kwargs = dict(num_nodes=2, ranks_per_node=2, tensor_parallel_size=1, tensor_parallel_plan="auto")
-    kwargs.update(precision="32-true", workload=Workload(2, 8))
-    kwargs.update(activation_checkpointing=False, cpu_offload=False, reshard_after_forward=None, backend="gloo")
+    kwargs.update(training=Training("32-true", Workload(2, 8)), backend="gloo")
     topology, plan = auto_topology(model, int(node / 0.9) + 1, **kwargs)
     assert topology.mesh_shape == (2, 2) and plan.recommended.layout.shard_size == 2
     topology, _ = auto_topology(model, int(world / 0.9) + 1, **kwargs)
@@ -42,8 +41,8 @@ def test_auto_takes_the_recommended_layout_and_says_when_nothing_fits():
 def test_auto_keeps_the_strategys_tensor_parallel_size_and_plan():
     with torch.device("meta"):
         model = Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=16))
-    kwargs = dict(num_nodes=2, ranks_per_node=2, tensor_parallel_size=2, precision="32-true", workload=Workload(2, 8))
-    kwargs.update(activation_checkpointing=False, cpu_offload=False, reshard_after_forward=None, backend="gloo")
+    kwargs = dict(num_nodes=2, ranks_per_node=2, tensor_parallel_size=2, training=Training("32-true", Workload(2, 8)))
+    kwargs.update(backend="gloo")
     topology, plan = auto_topology(model, 10**9, tensor_parallel_plan="auto", **kwargs)
     assert topology.tensor_parallel_size == 2 and topology.mesh_shape == (2, 1, 2)
     assert {row.layout.tensor_parallel_size for row in plan.rows} == {2}

@@ -113,7 +113,6 @@ def test_shard_size_auto_ranks_as_the_plan_does():
     with torch.device("meta"):
         model = GPT(Config.from_name("Llama-3-8B"))
     kwargs = dict(num_nodes=2, ranks_per_node=8, tensor_parallel_size=1, tensor_parallel_plan="auto")
-    kwargs.update(precision="bf16-mixed", workload=Workload(1, 2048), activation_checkpointing=False)
-    kwargs.update(cpu_offload=False, reshard_after_forward=None, backend="nccl")
+    kwargs.update(training=Training("bf16-mixed", Workload(1, 2048)), backend="nccl")
     topology, plan = auto_topology(model, 80 * 10**9, **kwargs)
     assert topology.mesh_shape == (2, 8) and plan.recommended.layout.shard_size == 8
