@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from fabric_hsdp.checkpoint.core.progress import log_throughput
+
 _logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
@@ -94,6 +96,13 @@ def check_shared(marker: Path, path: Path, timeout: float = 10.0) -> None:
 def discard(staged: Path) -> None:
     """Delete the staging directory of a save that failed (and nothing else: a parked checkpoint stays)."""
     remove_path(staged)
+
+
+def commit_and_log(staged: Path, path: Path, started: float, verb: str) -> None:
+    """Rank 0, once every rank has written: :func:`commit` ``staged`` to ``path``, then log the save's size and
+    throughput since ``started`` (``time.monotonic()``)."""
+    commit(staged, path)
+    log_throughput(verb, path, time.monotonic() - started)
 
 
 def commit(staged: Path, path: Path) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from fabric_hsdp.checkpoint.core import commit
 from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-from fabric_hsdp.checkpoint.core.progress import log_throughput
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
 from fabric_hsdp.checkpoint.training.staging import Staged, Stager
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
@@ -58,10 +56,6 @@ class BackgroundSaves:
         if self.enabled:
             self.group = dist.new_group(backend="gloo", timeout=timeout)
 
-    def started(self, save: BackgroundSave | None) -> None:
-        """Track ``save`` (what ``save_sharded`` returned) as the save in flight."""
-        self._pending = save
-
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure on every rank (a collective)."""
         pending = self._pending
@@ -87,10 +81,15 @@ class BackgroundSaves:
             return True
         return False
 
-    def start(self, copies: Staged, staged: Path, path: Path, started: float) -> BackgroundSave:
-        """Start writing ``copies`` (from :attr:`stager`) to ``staged`` in a thread; commit it to ``path`` after."""
+    def start(self, tensors: dict[str, Any], staged: Path, path: Path, started: float) -> None:
+        """Copy the chunks of ``tensors`` this rank writes into :attr:`stager`'s buffers, then write them to
+        ``staged`` in a thread and commit it to ``path`` after; it is the save in flight until :meth:`wait`.
+        A collective (the staging plan, then the copy's agreement): call it on every rank, after :meth:`wait`."""
+        written = self.stager.plan(tensors, self.group)
+        with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
+            copies: Staged = self.stager.copy(tensors, written)
         watch = self._watchdog.start(f"saving checkpoint '{path}' in the background") if self._watchdog else None
-        return start(copies.state, staged, path, self.group, started, ready=copies.ready, watch=watch)
+        self._pending = start(copies.state, staged, path, self.group, started, ready=copies.ready, watch=watch)
 
     def close(self) -> None:
         self.group = None
@@ -114,8 +113,7 @@ class BackgroundSave:
         try:
             future.result()
             if self._rank == 0:
-                commit.commit(self._staged, self.path)
-                log_throughput("saved in the background", self.path, time.monotonic() - self._started)
+                commit.commit_and_log(self._staged, self.path, self._started, "saved in the background")
         except BaseException as error:  # noqa: BLE001 - kept and raised on the main thread by wait()
             self._error = error
             if self._rank == 0:

@@ -71,7 +71,7 @@ class Checkpointer:
             return
         with self._watchdog.watch(f"saving checkpoint '{path}'"):
             background = self._background if self._background.enabled else None
-            self._background.started(save_sharded(path, state, broadcast, background))
+            save_sharded(path, state, broadcast, background)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure on every rank."""

@@ -39,11 +39,12 @@ def save_sharded(
     state: dict[str, Any],
     broadcast: Callable[[Any], Any],
     background_saves: background.BackgroundSaves | None = None,
-) -> background.BackgroundSave | None:
+) -> None:
     """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
 
     With ``background_saves`` the chunks this rank writes are copied to CPU memory (its stager's kept buffers) and
-    written from a thread: the returned save is committed when done; ``wait()`` on it raises its failure.
+    written from a thread: that save is in flight in ``background_saves`` (committed when done; its ``wait()``
+    raises its failure).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -64,22 +65,17 @@ def save_sharded(
         with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
             commit.check_shared(staged / META_FILE, path)
         if background_saves is not None:
-            written = background_saves.stager.plan(tensors, background_saves.group)  # a collective
-            with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
-                copies = background_saves.stager.copy(tensors, written)
-            return background_saves.start(copies, staged, path, started)
+            background_saves.start(tensors, staged, path, started)
+            return
         with fail_together(f"saving checkpoint '{path}'"):
             _save_dcp(tensors, staged, path)
         with fail_together(f"committing checkpoint '{path}'"):
             if rank == 0:
-                commit.commit(staged, path)
+                commit.commit_and_log(staged, path, started, "saved")
     except BaseException:
         if rank == 0:
             commit.discard(staged)  # the previous checkpoint at `path` is untouched
         raise
-    if rank == 0:
-        log_throughput("saved", path, time.monotonic() - started)
-    return None
 
 
 def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
