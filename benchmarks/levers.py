@@ -14,6 +14,7 @@ Run: ``python benchmarks/levers.py`` (a few minutes on 2 cores) or ``--rounds 2 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -75,6 +76,7 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
         return time.perf_counter() - start, _status("VmHWM") - before
 
     warm_up = {name: step(name)[0] for name in VARIANTS}
+    tracked = {name: tracked_activations(*setups[name], tokens) for name in VARIANTS if "compile" not in VARIANTS[name]}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     peaks: dict[str, list[int]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
@@ -85,7 +87,23 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
                 seconds, peak = step(name)
                 times[name].append(seconds)
                 peaks[name].append(peak)
-    return {"warm_up": warm_up, "times": times, "peaks": peaks}
+    return {"warm_up": warm_up, "times": times, "peaks": peaks, "tracked": tracked}
+
+
+def tracked_activations(fabric: Any, model: Any, optimizer: Any, tokens: Any) -> int:
+    """Activation + temporary bytes at the peak of one step, by torch's ``FSDPMemTracker`` (it follows every
+    tensor's storage through the dispatcher, so the allocator's reuse does not blur it; not under compile)."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, optimizer)
+    with tracker:
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+    return sum(value for kind, value in snapshot.items() if str(getattr(kind, "value", kind)) in ("Activation", "Temp"))
 
 
 def main() -> None:
@@ -111,13 +129,48 @@ def main() -> None:
     }
     peak = {name: max(statistics.median(v["peaks"][name]) for v in values) for name in VARIANTS}
     warm = {name: max(v["warm_up"][name] for v in values) for name in VARIANTS}
-    print(f"1 node x 2 CPU ranks, {args.rounds} rounds x {args.steps} steps; medians; ratios vs plain")
-    print(f"{'variant':<22}{'step s':>9}{'x plain':>9}{'peak MiB':>10}{'x plain':>9}{'first step s':>14}")
+    planned = planned_activations()
+    tracked = {name: max(v["tracked"][name] for v in values) for name in values[0]["tracked"]}
+    load = os.getloadavg()[0]
+    print(f"1 node x 2 CPU ranks, {args.rounds} rounds x {args.steps} steps; medians; ratios vs plain; load {load:.1f}")
+    print(
+        f"{'variant':<22}{'step s':>9}{'x plain':>9}{'RSS peak MiB':>14}{'x plain':>9}{'tracked MiB':>13}"
+        f"{'planned MiB':>13}{'plan/tracked':>14}{'first step s':>14}"
+    )
     for name in VARIANTS:
+        measured = f"{tracked[name] / 2**20:>13.1f}{planned[name] / 2**20:>13.1f}" if name in tracked else " " * 26
+        ratio = f"{planned[name] / tracked[name]:>14.2f}" if name in tracked else f"{'-':>14}"
         print(
-            f"{name:<22}{step[name]:>9.3f}{step[name] / step['plain']:>9.2f}{peak[name] / 2**20:>10.1f}"
-            f"{peak[name] / peak['plain']:>9.2f}{warm[name]:>14.1f}"
+            f"{name:<22}{step[name]:>9.3f}{step[name] / step['plain']:>9.2f}{peak[name] / 2**20:>14.1f}"
+            f"{peak[name] / peak['plain']:>9.2f}{measured}{ratio}{warm[name]:>14.1f}"
         )
+    print(
+        "tracked: activation + temporary bytes at the step's peak (torch's FSDPMemTracker, not under compile);"
+        " planned: the planner's activation estimate for the same model, workload and AC mode"
+    )
+
+
+def planned_activations() -> dict[str, int]:
+    """The planner's activation estimate per rank for each variant (``fabric-hsdp plan``'s formula, same model and
+    workload): the column to hold against the measured step peaks."""
+    import torch
+
+    from examples.tiny_llama import Llama, LlamaConfig
+    from fabric_hsdp.planning import Training, Workload, memory_per_device, model_shape_of_module
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=8, hidden_dim=688, max_seq_len=SEQ))
+    shape = model_shape_of_module(model)
+    planned = {}
+    for name, lever in VARIANTS.items():
+        training = Training(
+            "32-true",
+            Workload(BATCH, SEQ, "adamw"),
+            activation_checkpointing="ac" in lever,
+            activation_checkpointing_mode=lever.get("ac", "full"),
+        )
+        planned[name] = memory_per_device(shape, training, 2, 1).activations
+    return planned
 
 
 if __name__ == "__main__":

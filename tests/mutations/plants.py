@@ -72,6 +72,19 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/planning/test_plan.py::test_worked_example_65b_error_lists_what_would_fit",),
     ),
+    "4": Plant(
+        "every rank ends with the status its script earned (what the clean-exit test can catch here)",
+        "the exit handler ends every process with os._exit (0 unless a background save failed), the way one would"
+        " dodge the exit-time abort: a failing load then exits 0",
+        (
+            (
+                "        if failed:  # a checkpoint the script asked for was not written: the exit status must say so\n"
+                "            exit_now(1)\n",
+                "        exit_now(1 if failed else 0)\n",
+            ),
+        ),
+        ("tests/test_clean_exit.py",),
+    ),
     "5": Plant(
         "activation checkpointing really applied",
         "the layers activation_checkpointing selects are not wrapped (checkpoint(child) -> pass)",
