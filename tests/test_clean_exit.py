@@ -8,9 +8,9 @@ success path and on the error path (a failing load, where the traceback keeps th
 What it can and cannot catch here: the abort itself does not reproduce on this machine's torch (CPU build, gloo):
 with the exit handler removed (``atexit.register`` dropped), 10 fork-server and 4 fresh-process launches all exited
 ``[0, 0, 0, 0]`` (#22's review), and #20's intermittent exit 134 (1 in ~10 failing loads, 2 ranks under Fabric)
-was not reproduced either; the runs keep looking for it (``ABORTS``). What it does catch is the exit status: a handler that
-ends the process its own way (plant 4 in tests/mutations: ``os._exit(0)``, the obvious way to dodge the abort) turns
-a failing load's exit 1 into 0, and the test fails on the runs with a failing load.
+was not reproduced either; the runs keep looking for it (``ABORTS``). What it does catch is the exit status: a
+handler that ends the process its own way (plant 4 in tests/mutations: ``os._exit(0)``, the obvious way to dodge the
+abort) turns a failing load's exit 1 into 0, and the test fails on the runs with a failing load.
 """
 
 import pytest
