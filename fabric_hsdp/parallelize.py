@@ -86,7 +86,13 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, lever
     if levers.activation_checkpointing is not None:
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:
-        levers.compiled = apply_compile(units, {} if levers.compile is True else levers.compile)
+        options = {} if levers.compile is True else dict(levers.compile)
+        if mesh.tensor is not None:
+            # static shapes under TP unless asked otherwise: torch 2.13's DTensor fails on the symbolic shapes that
+            # automatic dynamic brings after a shape change ("unhashable type: non-nested SymInt" in a transformers
+            # Llama's norm with sequence_parallel); a new shape recompiles instead (up to dynamo's recompile_limit)
+            options.setdefault("dynamic", False)
+        levers.compiled = apply_compile(units, options)
     apply_fsdp(module, units, mesh.fsdp, plan)
     return [name for name, _ in units]
 

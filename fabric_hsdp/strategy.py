@@ -129,7 +129,8 @@ class HybridFSDPStrategy(ParallelStrategy):
             every ``k``-th selected module only).
         compile: ``True``, or a dict of ``torch.compile`` keyword arguments: each FSDP unit (transformer block) is
             compiled on its own, in place, after tensor parallelism and activation checkpointing and before
-            ``fully_shard`` (torchtitan's order); parameter and checkpoint names stay unchanged.
+            ``fully_shard`` (torchtitan's order); parameter and checkpoint names stay unchanged. Under tensor
+            parallelism ``dynamic=False`` unless given (DTensor fails on automatic dynamic shapes in torch 2.13).
         float8: ``True`` or a torchao recipe name (``"rowwise"``, the default, or ``"tensorwise"``): linear layers
             compute in float8 (the output head and dims not divisible by 16 excepted). Needs an NVIDIA GPU of
             compute capability 8.9+ and ``pip install fabric-hsdp[float8]``; refused at construction elsewhere.

@@ -58,7 +58,9 @@ def checkpoint_round_trip(fabric: Any, fabric_args: tuple[int, int], kind: str, 
     model = fabric.setup_module(build(kind, seed=0))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     inputs, targets = batch(2, seed=fabric.strategy.distributed_sampler_kwargs["rank"])  # TP peers: the same rows
-    fabric.backward(torch.nn.functional.cross_entropy(logits_of(model, inputs).flatten(0, 1), targets.flatten()))
+    with fabric.strategy.loss_parallel():  # a no-op unless loss_parallel=True split the logits
+        loss = torch.nn.functional.cross_entropy(logits_of(model, inputs).flatten(0, 1), targets.flatten())
+        fabric.backward(loss)
     optimizer.step()
     names = sorted(model.state_dict())
     path = directory / f"{kind}-levers"
