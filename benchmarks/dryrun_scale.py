@@ -81,7 +81,10 @@ def row(label: str, report: dict[str, Any]) -> str:
         f" | step peak {report['step_peak'] / GB:.2f} GB vs plan {planned / GB:.2f} GB"
         f" ({ratio:.2f}x) | {report['wall_s']:.0f} s"
         if ratio
-        else f"{label}: {report}"
+        else f"{label:<34} mesh {str(tuple(report['mesh_shape'])):<12} at {str(tuple(report['coordinates'])):<11}"
+        f" 1/{fraction:,.1f} of params | setup {phases['setup']['host_peak'] / GB:.2f} GB"
+        f" {phases['setup']['seconds']:.1f} s | load read {report['checkpoint_read'] / GB:.4f} GB,"
+        f" host peak {phases.get('load', {}).get('host_peak', 0) / GB:.2f} GB | no step | {report['wall_s']:.0f} s"
     )
 
 
@@ -96,7 +99,9 @@ def case_70b(load: bool) -> None:
                 f"sparse safetensors: {size / GB:.1f} GB logical, {os.stat(file).st_blocks * 512 / 1e6:.1f} MB on disk"
             )
             args += ["--init_from", str(file)]
-        report = dry_run(16, 8, 77, args)
+        # the load case stops at the first forward (--max_steps 0): its step is the 70b case's (a CPU step of a
+        # 70B rank is ~1 TFLOP of bf16 matmuls, tens of minutes here without AVX512-BF16)
+        report = dry_run(16, 8, 77, args, max_steps=0 if load else 1)
         print(row("litgpt Llama-3-70B" + (" + load_raw" if load else ""), report))
         if load:
             print(

@@ -72,6 +72,11 @@ def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scra
     assert not Path("never").exists()  # nothing committed at the script's path
     assert any("no GPU" in note for note in report.notes)
     assert NOT_MEANINGFUL in report.text()
+    # --max_steps 0: set-up and the load, then the script stops at its first forward (no step, nothing compared)
+    report = dry_run(SCRIPT, args, num_nodes=2, devices_per_node=4, rank=5, max_steps=0, scratch=tmp_path / "s0")
+    assert report.steps == 0 and Path(str(facts) + ".steps").read_text() == "1\n"  # no step logged this time
+    assert set(report.phases) == {"setup", "load", "save"} and report.ratio is None
+    assert report.checkpoint_read == 4 * expected and report.planned.parameters == 4 * expected
 
 
 @pytest.mark.timeout(600)

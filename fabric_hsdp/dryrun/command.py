@@ -35,7 +35,12 @@ def dryrun_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_nodes", type=int, default=1, help="nodes of the cluster to pretend (default 1)")
     parser.add_argument("--devices_per_node", type=int, default=8, help="ranks per node (default 8)")
     parser.add_argument("--rank", type=str, default="0", help="the global rank to play, or all-kinds (default 0)")
-    parser.add_argument("--max_steps", type=int, default=1, help="stop after this many optimizer steps (default 1)")
+    parser.add_argument(
+        "--max_steps",
+        type=int,
+        default=1,
+        help="stop after this many optimizer steps (default 1; 0: at the first forward, after set-up and loads)",
+    )
     parser.add_argument("--scratch", type=str, default=None, help="where saves go (default: a temporary directory)")
     parser.add_argument("--keep_files", action="store_true", help="keep the scratch directory's files")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

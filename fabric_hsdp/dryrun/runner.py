@@ -36,20 +36,20 @@ def dry_run(
     keep_files: bool = False,
 ) -> DryRunReport:
     """Run ``script`` with ``script_args`` as rank ``rank`` of ``num_nodes`` x ``devices_per_node``, stopping after
-    ``max_steps`` optimizer steps; return the report.
+    ``max_steps`` optimizer steps (0: at the model's first forward, after set-up and loads); return the report.
 
     The script runs unchanged as ``__main__`` with torchrun's variables for that rank and torch's fake process group:
     every collective returns at once without data, while shapes, placements, allocations and file reads are real.
 
     Raises:
-        ValueError: A rank outside the world, ``max_steps`` < 1, or a script that never set up a
+        ValueError: A rank outside the world, ``max_steps`` < 0, or a script that never set up a
             ``HybridFSDPStrategy`` with ``fabric.launch()``.
         FileNotFoundError: No such script.
         ScriptFailedError: The script failed; the message is its error (a layout that does not divide, an OOM...).
     """
     world = DryRunWorld(num_nodes, devices_per_node, rank)
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"--max_steps {max_steps!r} must be a positive integer.")
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
+        raise ValueError(f"--max_steps {max_steps!r} must be 0 (set-up and load only) or a positive integer.")
     script = Path(script)
     if not script.is_file():
         raise FileNotFoundError(f"no such script: '{script}'")

@@ -161,6 +161,9 @@ class DryRunSession:
             first = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)), None)
             if first is not None and first.dim() >= 2:
                 self.tokens_shape = tuple(first.shape[:2])
+        if self.max_steps == 0:  # set-up and loads only: stop before the first forward computes anything
+            self.meter.end("setup")  # what ran since the last phase (e.g. the optimizer's set-up) is set-up
+            raise StepLimitReached
 
     # --- loads and steps ----------------------------------------------------------------------------------------
     def _load(self, original: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
