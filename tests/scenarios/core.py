@@ -149,8 +149,8 @@ def init_consistency(num_nodes: int, devices: int) -> dict[str, Any]:
     return facts
 
 
-def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) -> dict[str, Any]:
-    """A script that does nothing special: train a step and let the interpreter exit."""
+def _train_a_step(num_nodes: int, devices: int, tensor_parallel_size: int) -> tuple[Any, Any, torch.Tensor]:
+    """Meta-init, set up and train the llama one step: a plain script's first step; the fabric, model and inputs."""
     fabric = make_fabric(
         num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
     )
@@ -161,6 +161,12 @@ def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) 
     inputs, targets = batch(2, seed=fabric.global_rank)
     fabric.backward(torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
     optimizer.step()
+    return fabric, model, inputs
+
+
+def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """A script that does nothing special: train a step and let the interpreter exit."""
+    fabric, model, inputs = _train_a_step(num_nodes, devices, tensor_parallel_size)
     with torch.no_grad():
         model(inputs)
     return {"rank": fabric.global_rank}
@@ -168,16 +174,7 @@ def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) 
 
 def train_then_fail_to_load(num_nodes: int, devices: int, checkpoint: str, tensor_parallel_size: int = 1) -> None:
     """A script that trains a step, then loads a checkpoint that lacks a weight: every rank must exit 1, cleanly."""
-    fabric = make_fabric(
-        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
-    )
-    with fabric.init_module(empty_init=True):
-        model = build("llama")
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
-    inputs, targets = batch(2, seed=fabric.global_rank)
-    fabric.backward(torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
-    optimizer.step()
+    fabric, model, _ = _train_a_step(num_nodes, devices, tensor_parallel_size)
     fabric.load_raw(checkpoint, model)  # raises CheckpointError on every rank
 
 
