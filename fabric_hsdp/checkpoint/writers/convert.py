@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fabric_hsdp.checkpoint.core.commit import check_destination
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, apply_key_map
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.progress import Progress
@@ -165,8 +166,7 @@ def convert_checkpoint(
     )  # bad sizes fail up front
     if source.exists() and dest.exists() and source.resolve() == dest.resolve():
         raise ValueError(f"source and destination are the same path '{dest}'; write to a new path instead")
-    if (dest.exists() or dest.is_symlink()) and not overwrite:
-        raise FileExistsError(f"'{dest}' already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    check_destination(dest, overwrite)  # before anything is read
     started = time.perf_counter()
     with open_checkpoint(source, weights_only=weights_only) as checkpoint:
         lazy = checkpoint.lazy_tensors()
