@@ -77,6 +77,15 @@ def _write_truncated_safetensors(path):
     path.write_bytes(path.read_bytes()[:5000])
 
 
+def test_hf_config_option_puts_config_json_into_a_hugging_face_directory(tmp_path, checkpoint, capsys):
+    config = tmp_path / "model" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"model_type": "llama"}')
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "hf", "--to", "safetensors", "--hf_config", config)
+    assert code == 0, err
+    assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
+
+
 @pytest.mark.parametrize(
     ("make", "name", "message"),
     [
