@@ -402,6 +402,14 @@ def make_strategy(parallel: Parallelism, layers: ModuleListLayers) -> HybridFSDP
     )
 
 
+def layout_line(topology: Any) -> str:
+    """The start-up line's layout: ranks, nodes, and the mesh with every dim's name (three under TP)."""
+    return (
+        f"{topology.world_size} ranks = {topology.num_nodes} node(s) x {topology.ranks_per_node},"
+        f" mesh ({', '.join(topology.mesh_dim_names)}) = {topology.mesh_shape}"
+    )
+
+
 def main(
     checkpoint_dir: Path,
     data: Path = Path("examples/data/tiny.txt"),
@@ -477,12 +485,7 @@ def main(
     )
     if not launched_by_fabric_cli():
         fabric.launch()  # under `fabric run`, Fabric() has set up the processes and launch() would raise
-    topology = strategy.topology
-    fabric.print(
-        f"{fabric.world_size} ranks = {fabric.strategy.num_nodes} node(s) x {topology.ranks_per_node},"
-        f" mesh ({', '.join(topology.mesh_dim_names)}) = {topology.mesh_shape}, device {fabric.device},"
-        f" precision {strategy.precision_name}"
-    )
+    fabric.print(f"{layout_line(strategy.topology)}, device {fabric.device}, precision {strategy.precision_name}")
 
     started = time.perf_counter()
     with fabric.init_module(empty_init=True):

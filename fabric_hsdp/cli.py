@@ -65,6 +65,11 @@ def build_parser() -> Any:
         action="store_true",
         help="write the model tensors alone (a flat state dict, e.g. litgpt's lit_model.pth), without optimizer state",
     )
+    convert.add_argument(
+        "--hf_config",
+        type=str | None,
+        help="config.json (or its directory) to copy into a Hugging Face directory DEST, for from_pretrained",
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
     convert.add_argument(
         "--unsafe_pickle", action="store_true", help="unpickle without weights_only (trusted files only)"
@@ -143,6 +148,7 @@ def _run(command: str, args: Any) -> None:
             overwrite=args.overwrite,
             weights_only=not args.unsafe_pickle,
             model_only=args.model_only,
+            hf_config=args.hf_config,
         )
     else:
         info = inspect_checkpoint(args.path, weights_only=not args.unsafe_pickle)

@@ -7,6 +7,9 @@ how to fix it, e.g. ``checkpoint 'lit-llama.pth' has no tensor for 'layers.3.mlp
 
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -45,4 +48,29 @@ def unsafe_pickle_error(what: str, reason: str) -> CheckpointError:
     return CheckpointError(
         f"{what} holds Python objects that safe loading (weights_only=True) refuses ({reason}). If you trust this"
         " checkpoint, pass weights_only=False (CLI: --unsafe_pickle)."
+    )
+
+
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def write_error(path: str | os.PathLike, error: OSError, *, creating: bool = False) -> SaveError:
+    """The error for an ``OSError`` met writing the checkpoint or output ``path`` through its hidden staging sibling.
+
+    It names ``path`` and its directory, never the staging path the ``OSError`` names. ``creating``: the error came
+    from creating the staging sibling, so the directory refused a new entry whatever the errno (``/proc`` says
+    ``ENOENT``).
+    """
+    path = Path(path)
+    reason = error.strerror or type(error).__name__
+    if error.errno == errno.ENOTDIR:
+        blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), path.parent)
+        problem = f"'{blocking}' is a file, not a directory ({reason}); choose a directory for the checkpoint"
+    elif creating or error.errno in _UNWRITABLE:
+        problem = f"directory '{path.parent}' is not writable ({reason}); choose a writable directory"
+    else:
+        problem = f"{reason} (writing in directory '{path.parent}')"
+    return SaveError(
+        f"cannot write '{path}': {problem}. Nothing was written at '{path}'; what was there before, if anything,"
+        " is intact."
     )

@@ -11,9 +11,9 @@ through that order:
   so it skips SLURM, and its MPI check then initialises MPI in a process that no MPI launcher started.
 
 The launcher that started this process is the innermost one, and its variables are the ones that describe it:
-torchrun's, then jsrun's (which also sets Open MPI's), then an MPI launcher's, then srun's. ``HybridFSDPStrategy``
-asks this module which one it is, takes Lightning's environment for it where Lightning's own order would not, and
-says in its start-up log what it found and why.
+torchrun's (``fabric run``'s when its ``LT_CLI_USED`` is set too), then jsrun's (which also sets Open MPI's), then
+an MPI launcher's, then srun's. ``HybridFSDPStrategy`` asks this module which one it is, takes Lightning's
+environment for it where Lightning's own order would not, and says in its start-up log what it found and why.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # detection itself needs no Lightning
     from lightning.fabric.plugins import ClusterEnvironment
 
-TORCHRUN, JSRUN, MPIRUN, SRUN, SBATCH_SCRIPT, NO_LAUNCHER = (
+TORCHRUN, FABRIC_RUN, JSRUN, MPIRUN, SRUN, SBATCH_SCRIPT, NO_LAUNCHER = (
     "torchrun",
+    "fabric run",
     "jsrun",
     "mpirun",
     "srun",
@@ -44,7 +45,8 @@ class Launcher:
     """The program that started this process, as the variables it sets show.
 
     Attributes:
-        name: ``"torchrun"``, ``"jsrun"``, ``"mpirun"`` (Open MPI, MPICH/Intel MPI's Hydra, MVAPICH),
+        name: ``"torchrun"``, ``"fabric run"`` (Lightning's ``fabric run`` or ``fabric-hsdp run``, which start
+            torchrun), ``"jsrun"``, ``"mpirun"`` (Open MPI, MPICH/Intel MPI's Hydra, MVAPICH),
             ``"srun"``, ``"sbatch script"`` (a SLURM batch script that started Python without ``srun``) or
             ``"none"`` (Fabric starts the processes itself, or the variables were set by hand).
         evidence: ``NAME=value`` of the variables that identify the launcher.
@@ -77,6 +79,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
 
     if "TORCHELASTIC_RUN_ID" in env:
         world, per_node = _int(env.get("WORLD_SIZE")), _int(env.get("LOCAL_WORLD_SIZE"))
+        if env.get("LT_CLI_USED") == "1":  # `fabric run` sets it, then runs torchrun with its default id "none"
+            names = ("LT_CLI_USED", "LT_DEVICES", "LT_NUM_NODES", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+            return Launcher(FABRIC_RUN, evidence(*names), world, per_node, _nodes(world, per_node))
         return Launcher(
             TORCHRUN,
             evidence("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
@@ -198,7 +203,7 @@ def describe_launch(
     if launcher.name == NO_LAUNCHER:
         found = "no launcher variables (Fabric starts the processes, or they were set by hand)"
     notes = []
-    if launcher.name in (TORCHRUN, JSRUN, MPIRUN) and "SLURM_JOB_ID" in env:
+    if launcher.name in (TORCHRUN, FABRIC_RUN, JSRUN, MPIRUN) and "SLURM_JOB_ID" in env:
         inherited = ", ".join(f"{key}={env[key]}" for key in ("SLURM_PROCID", "SLURM_NTASKS") if key in env)
         notes.append(
             f"the SLURM variables it inherited ({inherited or 'SLURM_JOB_ID=' + env['SLURM_JOB_ID']}) describe the"
@@ -223,6 +228,7 @@ def _reads(launcher: Launcher, environment: ClusterEnvironment) -> bool:
 
     kinds = {
         TORCHRUN: TorchElasticEnvironment,
+        FABRIC_RUN: TorchElasticEnvironment,
         JSRUN: LSFEnvironment,
         MPIRUN: MPIEnvironment,
         SRUN: SLURMEnvironment,

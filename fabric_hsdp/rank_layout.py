@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fabric_hsdp.launchers import JSRUN, MPIRUN, SRUN, TORCHRUN, Launcher
+from fabric_hsdp.launchers import FABRIC_RUN, JSRUN, MPIRUN, SRUN, TORCHRUN, Launcher
 
 _FIXES = {
     SRUN: "srun --distribution=block (SLURM's default: drop --distribution=cyclic, or unset SLURM_DISTRIBUTION)",
     MPIRUN: "mpirun --map-by slot (Open MPI: not --map-by node; MPICH/Intel MPI: -ppn M, not -rr)",
     JSRUN: "jsrun -d packed (not -d cyclic)",
     TORCHRUN: "torchrun numbers node by node; give each node its own --node-rank",
+    FABRIC_RUN: "fabric run numbers node by node; give each node its own --node-rank",
 }
 
 

@@ -20,6 +20,7 @@ modules ask it for the sub-mesh they need by purpose.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -152,17 +153,20 @@ class Topology:
                 f" cover a fraction of a node. Choose a multiple of {ranks_per_node} that divides WORLD_SIZE"
                 f"({world_size}): {[d for d in _divisors(world_size) if d % ranks_per_node == 0]}."
             )
+        # the sizes that pass both checks below; the model's heads and split dims are checked at setup_module
+        layout_sizes = _divisors(math.gcd(ranks_per_node, size))
         if ranks_per_node % tensor_parallel_size != 0:
             raise ValueError(
                 f"tensor_parallel_size({tensor_parallel_size}) does not divide ranks_per_node({ranks_per_node}): tensor"
-                " parallelism exchanges activations in every layer and must stay inside a node. Choose a divisor of"
-                f" ranks_per_node: {_divisors(ranks_per_node)}."
+                " parallelism exchanges activations in every layer and must stay inside a node. Choose a size that"
+                f" divides ranks_per_node and shard_size({size}): {layout_sizes} (the model's heads are checked"
+                " at setup_module)."
             )
         if size % tensor_parallel_size != 0:
             raise ValueError(
                 f"tensor_parallel_size({tensor_parallel_size}) does not divide shard_size({size}): the ranks that hold"
                 f" one copy of the model are split into FSDP x tensor-parallel groups. Choose a divisor of {size}:"
-                f" {_divisors(size)}, or a larger shard_size."
+                f" {layout_sizes} (the model's heads are checked at setup_module), or a larger shard_size."
             )
         return cls(num_nodes, ranks_per_node, size, tensor_parallel_size)
 

@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import random
@@ -74,6 +75,15 @@ def _write_truncated_zip(path):
 def _write_truncated_safetensors(path):
     save_file({"w": torch.ones(4096)}, path)
     path.write_bytes(path.read_bytes()[:5000])
+
+
+def test_hf_config_option_puts_config_json_into_a_hugging_face_directory(tmp_path, checkpoint, capsys):
+    config = tmp_path / "model" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"model_type": "llama"}')
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "hf", "--to", "safetensors", "--hf_config", config)
+    assert code == 0, err
+    assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
 
 
 @pytest.mark.parametrize(
@@ -162,6 +172,52 @@ def test_disk_full_exits_1_and_leaves_nothing(tmp_path, tiny_disk, capsys, dest_
     assert code == 1
     assert err == f"fabric-hsdp: error: No space left on device: '{tiny_disk / dest_name}'\n"
     assert tree(tiny_disk) == []
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    mount_point = tmp_path / "read-only"
+    mount_point.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs ({result.stderr.decode().strip() or 'mount failed'})")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+@pytest.mark.parametrize("dest_name", ["out", "out.pth", "out.safetensors", "hf"])
+def test_unwritable_destination_names_it_not_the_staging_path(
+    tmp_path, checkpoint, read_only_dir, capsys, monkeypatch, dest_name
+):
+    """Root writes through chmod, so the refusals are a read-only mount, /proc and a planted failed rename."""
+    extra = ["--to", "safetensors"] if dest_name == "hf" else []
+    for directory, reason in [(read_only_dir, "Read-only file system"), (Path("/proc"), "No such file or directory")]:
+        dest = directory / dest_name
+        code, out, err = run(capsys, "convert", checkpoint, dest, *extra)
+        assert (code, out) == (1, "")
+        assert err.splitlines()[-1] == (  # a .safetensors output says first that 'step' is left out
+            f"fabric-hsdp: error: cannot write '{dest}': directory '{directory}' is not writable ({reason}); choose"
+            f" a writable directory. Nothing was written at '{dest}'; what was there before, if anything, is intact."
+        )
+    from fabric_hsdp.checkpoint.core import commit
+
+    def refuse(staged, path):
+        raise OSError(errno.EROFS, "Read-only file system", str(staged))
+
+    monkeypatch.setattr(commit, "commit", refuse)  # everything is written; the final rename is refused
+    code, _, err = run(capsys, "convert", checkpoint, tmp_path / dest_name, *extra)
+    assert code == 1 and ".tmp-" not in err, err
+    assert err.splitlines()[-1].startswith(
+        f"fabric-hsdp: error: cannot write '{tmp_path / dest_name}': directory '{tmp_path}' is not writable"
+    )
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".")]
+    code, _, err = run(capsys, "convert", checkpoint, checkpoint / dest_name, *extra)  # its parent is a file
+    assert (code, err) == (
+        2,
+        f"fabric-hsdp: error: cannot write '{checkpoint / dest_name}': '{checkpoint}' is a file, not a directory\n",
+    )
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.launch import REPO_ROOT, free_port, launch
 
 sys.path.insert(0, str(REPO_ROOT))
-from examples.finetune import detect_format, export_model, load_tokenizer, read_documents  # noqa: E402
+from examples.finetune import detect_format, export_model, layout_line, load_tokenizer, read_documents  # noqa: E402
 from examples.launching import devices_and_nodes, latest_checkpoint  # noqa: E402
 
 TRAIN = REPO_ROOT / "examples" / "train.py"
@@ -115,6 +115,18 @@ def test_train_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
     assert any(k.startswith("optimizer.state.") for k in straight_tensors), sorted(straight_tensors)[:5]
     assert resumed_tensors.keys() == straight_tensors.keys()
     assert [k for k, v in straight_tensors.items() if not torch.equal(resumed_tensors[k], v)] == []
+
+
+def test_finetune_start_up_line_names_every_mesh_dim():
+    from fabric_hsdp.topology import Topology
+
+    # it printed "mesh (replicate, shard) = (2, 1, 2)" under tensor parallelism, as train.py (no TP) still does
+    assert layout_line(Topology.resolve("node", 2, 2, 4, tensor_parallel_size=2)) == (
+        "4 ranks = 2 node(s) x 2, mesh (replicate, shard, tensor) = (2, 1, 2)"
+    )
+    assert (
+        layout_line(Topology.resolve("world", 2, 2, 4)) == "4 ranks = 2 node(s) x 2, mesh (replicate, shard) = (1, 4)"
+    )
 
 
 def test_finetune_tells_a_directory_that_is_no_checkpoint_and_falls_back_to_labelled_bytes(tmp_path):

@@ -20,6 +20,7 @@ from lightning.fabric.plugins.environments import (
 
 from fabric_hsdp import HybridFSDPStrategy
 from fabric_hsdp.launchers import (
+    FABRIC_RUN,
     JSRUN,
     MPIRUN,
     NO_LAUNCHER,
@@ -75,6 +76,22 @@ TORCHRUN_WORKER = {
     "LOCAL_RANK": "1",
     "GROUP_RANK": "1",
 }
+# what a `fabric run --accelerator cpu --devices 2 --num-nodes 2` process sees (measured with `fabric-hsdp run`):
+# Lightning's LT_* variables, then torchrun's, whose rendezvous id Lightning leaves at torchrun's default "none"
+FABRIC_RUN_WORKER = {
+    "LT_CLI_USED": "1",
+    "LT_ACCELERATOR": "cpu",
+    "LT_DEVICES": "2",
+    "LT_NUM_NODES": "2",
+    "LT_STRATEGY": "hsdp",
+    "TORCHELASTIC_RUN_ID": "none",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "GROUP_RANK": "1",
+}
 JSRUN_TASK = {
     "LSB_JOBID": "4242",
     "JSM_NAMESPACE_SIZE": "4",
@@ -110,6 +127,8 @@ JSRUN_TASK = {
         pytest.param(MPI_RANK_ON_SECOND_NODE, MPIRUN, 4, 2, 2, id="mpirun-in-sbatch-second-node"),
         pytest.param(dict(PMI_SIZE="8", PMI_RANK="5", MPI_LOCALNRANKS="4"), MPIRUN, 8, 4, 2, id="mpich-hydra"),
         pytest.param(dict(SRUN_TASK, **TORCHRUN_WORKER), TORCHRUN, 16, 8, 2, id="torchrun-under-srun"),
+        pytest.param(FABRIC_RUN_WORKER, FABRIC_RUN, 4, 2, 2, id="fabric-run"),
+        pytest.param(dict(TORCHRUN_WORKER, TORCHELASTIC_RUN_ID="none"), TORCHRUN, 16, 8, 2, id="torchrun-no-rdzv-id"),
         pytest.param(dict(JSRUN_TASK, LSB_DJOB_RANKFILE="/x"), JSRUN, 4, 2, 2, id="jsrun-with-openmpi-variables"),
         pytest.param(dict(OPEN_MPI, LSB_JOBID="4242", LSB_DJOB_RANKFILE="/x"), MPIRUN, 4, 2, 2, id="mpirun-in-bsub"),
     ],
@@ -285,6 +304,11 @@ def test_the_start_up_line_says_which_launcher_and_why():
     torchrun = describe_launch(detect_launcher(TORCHRUN_WORKER), TorchElasticEnvironment(), TORCHRUN_WORKER)
     assert torchrun.startswith("launched by torchrun (TORCHELASTIC_RUN_ID=run42, WORLD_SIZE=16")
     assert describe_launch(Launcher(NO_LAUNCHER), LightningEnvironment(), {}).startswith("no launcher variables")
+    fabric_run = describe_launch(detect_launcher(FABRIC_RUN_WORKER), TorchElasticEnvironment(), FABRIC_RUN_WORKER)
+    assert fabric_run == (
+        "launched by fabric run (LT_CLI_USED=1, LT_DEVICES=2, LT_NUM_NODES=2, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2,"
+        " GROUP_RANK=1): cluster environment TorchElasticEnvironment"
+    )
 
 
 def _set_environ(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]) -> None:

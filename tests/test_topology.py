@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from fabric_hsdp.topology import Topology, validate_shard_size
@@ -109,3 +111,25 @@ def test_tensor_parallel_must_stay_inside_a_node_and_divide_the_shard_group():
         Topology.resolve(2, 2, 4, 8, tensor_parallel_size=4)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=0\) is not valid"):
         Topology.resolve("node", 2, 4, 8, tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize(
+    ("shard_size", "num_nodes", "ranks_per_node", "tensor_parallel_size"),
+    [(2, 1, 4, 3), (2, 1, 8, 3), (4, 2, 8, 8), (16, 2, 8, 3), ("node", 1, 6, 4)],
+)
+def test_suggested_tensor_parallel_sizes_pass_every_layout_check(
+    shard_size, num_nodes, ranks_per_node, tensor_parallel_size
+):
+    """A suggestion must work: T=3 on 4 ranks per node with shard_size=2 suggested [1, 2, 4], and 4 then failed."""
+    world_size = num_nodes * ranks_per_node
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size\(") as error:
+        Topology.resolve(shard_size, num_nodes, ranks_per_node, world_size, tensor_parallel_size)
+    suggested = [int(size) for size in re.search(r"\[([\d, ]+)\]", str(error.value)).group(1).split(", ")]
+    valid = []
+    for size in range(1, ranks_per_node + 1):
+        try:
+            Topology.resolve(shard_size, num_nodes, ranks_per_node, world_size, size)
+            valid.append(size)
+        except ValueError:
+            pass
+    assert suggested == valid, str(error.value)

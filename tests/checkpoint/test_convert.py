@@ -145,14 +145,22 @@ def test_hugging_face_round_trip_through_dcp_loads_in_transformers(tmp_path):
     model = _tiny_llama(tmp_path, "hf")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     convert_checkpoint(tmp_path / "hf", tmp_path / "dcp")
-    convert_checkpoint(tmp_path / "dcp", tmp_path / "hf2", to="safetensors", max_shard_size="50KB")
-    (tmp_path / "hf2" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    # a DCP directory holds no config: hf_config gives it (the model's directory, or its config.json)
+    convert_checkpoint(
+        tmp_path / "dcp", tmp_path / "hf2", to="safetensors", max_shard_size="50KB", hf_config=tmp_path / "hf"
+    )
     shards = sorted(path.name for path in (tmp_path / "hf2").glob("model-*.safetensors"))
     assert len(shards) > 1 and shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    assert_same_tensors(reloaded.state_dict(), model.state_dict())
     tokens = torch.tensor([[1, 5, 9, 77, 3]])
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+    # without hf_config, a config.json inside the DCP directory (or next to it) is found and copied
+    (tmp_path / "dcp" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "hf4", to="safetensors")
+    assert sorted(path.name for path in (tmp_path / "hf4").iterdir()) == ["config.json", "model.safetensors"]
+    assert_same_tensors(LlamaForCausalLM.from_pretrained(tmp_path / "hf4").state_dict(), model.state_dict())
     # converting an HF directory straight to safetensors carries its config along
     convert_checkpoint(tmp_path / "hf", tmp_path / "hf3", to="safetensors")
     assert sorted(path.name for path in (tmp_path / "hf3").iterdir()) == [
@@ -211,11 +219,29 @@ def test_index_keyed_optimizer_state_converts_to_dcp_with_a_warning(tmp_path, ca
     assert torch.equal(state["0"]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
 
 
-def test_dcp_to_hugging_face_directory_carries_no_dcp_files(tmp_path, state_dict):
+def test_dcp_to_hugging_face_directory_carries_no_dcp_files(tmp_path, state_dict, caplog):
     torch.save(state_dict, tmp_path / "model.pth")
     convert_checkpoint(tmp_path / "model.pth", tmp_path / "dcp")
-    convert_checkpoint(tmp_path / "dcp", tmp_path / "hf", to="safetensors")
+    with caplog.at_level(logging.WARNING, logger="fabric_hsdp"):
+        convert_checkpoint(tmp_path / "dcp", tmp_path / "hf", to="safetensors")
     assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    assert (
+        f"'{tmp_path / 'hf'}' has no config.json (none in or next to '{tmp_path / 'dcp'}'), so transformers'"
+        " from_pretrained cannot load it. Pass hf_config= (CLI: --hf_config PATH) the model's config.json or"
+        f" directory, or copy its config.json into '{tmp_path / 'hf'}'"
+    ) in caplog.text
+
+
+def test_hf_config_is_checked_before_anything_is_read(tmp_path, state_dict):
+    torch.save(state_dict, tmp_path / "model.pth")
+    with pytest.raises(FileNotFoundError, match=f"hf_config '{tmp_path / 'nowhere'}' does not exist"):
+        convert_checkpoint(tmp_path / "model.pth", tmp_path / "hf", to="safetensors", hf_config=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=f"hf_config '{tmp_path}' is a directory without config.json"):
+        convert_checkpoint(tmp_path / "model.pth", tmp_path / "hf", to="safetensors", hf_config=tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="hf_config applies to a Hugging Face directory output"):
+        convert_checkpoint(tmp_path / "model.pth", tmp_path / "out.pth", hf_config=tmp_path / "config.json")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json", "model.pth"]
 
 
 @pytest.mark.parametrize("dest", ["out", "out.pth", "out.safetensors"])

@@ -126,6 +126,8 @@ def test_fabric_load_accepts_a_raw_state_dict_and_a_converted_dcp(llama_files):
         for facts in launch("tests.scenarios.loading:fabric_load_raw_state_dict", args).check().values:
             assert facts["remainder"] == {}
             assert facts["max_logit_diff"] == 0.0 and facts["weights_differ"] == []
+            assert facts["fabric_load_raw_returned"] is None
+            assert facts["strategy_load_raw_returned"] == ("LoadResult", 21, [], [])
 
 
 def test_transformers_save_pretrained_directories(tmp_path):

@@ -241,6 +241,20 @@ def test_one_rank_failing_to_write_fails_all_and_keeps_previous(tmp_path, async_
         assert facts["error"] is not None
         assert f"'{tmp_path / 'ckpt'}'" in facts["error"]
         assert "rank 2: PermissionError" in facts["error"], facts["error"]
+        assert ".ckpt.saving-" not in facts["error"]  # the user's path, not the hidden staging directory
+    # rank 0 gets an OSError creating the staging directory or committing: SaveError there, PeerRankError elsewhere
+    file_parent = tmp_path / "a_file"
+    expected_rank0 = {
+        "parent_is_a_file": f"SaveError: cannot write '{file_parent / 'ckpt'}': '{file_parent}' is a file, not a"
+        " directory (Not a directory); choose a directory for the checkpoint. Nothing was written at"
+        f" '{file_parent / 'ckpt'}'",
+        "commit_refused": f"SaveError: cannot write '{tmp_path / 'ckpt'}': directory '{tmp_path}' is not writable"
+        " (Read-only file system); choose a writable directory. Nothing was written at",
+    }
+    for rank, facts in enumerate(values):
+        for case, error in facts["rank0_unwritable"].items():
+            assert error.startswith(expected_rank0[case] if rank == 0 else "PeerRankError: "), (rank, case, error)
+            assert ".saving-" not in error and expected_rank0[case].removeprefix("SaveError: ") in error, error
     from tests.helpers.dcp_read import read_model_tensors
 
     loaded = read_model_tensors(tmp_path / "ckpt")

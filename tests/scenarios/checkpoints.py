@@ -337,6 +337,7 @@ def fail_writing_on_one_rank(
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")
     train_steps(fabric, model, optimizer, scheduler, steps=1)
+    write_data = filesystem.FileSystemWriter.write_data
     if fabric.global_rank == failing_rank:
 
         def refuse(self: Any, plan: Any, planner: Any) -> Any:
@@ -350,8 +351,45 @@ def fail_writing_on_one_rank(
             return {"error": None, "seconds": time.monotonic() - started}  # the script ends with the save pending
         fabric.strategy.wait_for_checkpoint()  # a background save's failure is raised here
     except Exception as error:
-        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
-    return {"error": None, "seconds": time.monotonic() - started}
+        failed = {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
+    else:
+        return {"error": None, "seconds": time.monotonic() - started}
+    filesystem.FileSystemWriter.write_data = write_data
+    failed["rank0_unwritable"] = _save_where_rank0_cannot_write(fabric, model, optimizer, Path(out), path)
+    return failed
+
+
+def _save_where_rank0_cannot_write(fabric: Any, model: Any, optimizer: Any, out: Path, path: Path) -> dict[str, str]:
+    """Two saves whose rank 0 gets an OSError: the checkpoint's parent is a regular file (creating the staging
+    directory fails), and the final rename is refused (a read-only filesystem, planted); each rank's error by case."""
+    import errno
+
+    from fabric_hsdp.checkpoint.core import commit
+
+    if fabric.global_rank == 0:
+        (out / "a_file").write_text("not a directory")
+    fabric.barrier()
+    errors = {}
+    commit_for_real = commit.commit
+    for case, target in [("parent_is_a_file", out / "a_file" / "ckpt"), ("commit_refused", path)]:
+        if case == "commit_refused" and fabric.global_rank == 0:
+
+            def refuse(staged: Path, path: Path) -> None:
+                raise OSError(errno.EROFS, "Read-only file system", str(staged))
+
+            commit.commit = refuse
+        try:
+            fabric.save(target, {"model": model, "optimizer": optimizer, "step": 3})
+            fabric.strategy.wait_for_checkpoint()
+            errors[case] = "no error"
+        except Exception as error:
+            errors[case] = f"{type(error).__name__}: {error}"
+        finally:
+            commit.commit = commit_for_real
+    if fabric.global_rank == 0:
+        (out / "a_file").unlink()
+    fabric.barrier()
+    return errors
 
 
 def load_raw_state(num_nodes: int, devices: int, out: str, name: str) -> dict:

@@ -102,4 +102,13 @@ def fabric_load_raw_state_dict(num_nodes: int, devices: int, file: str, referenc
     with torch.no_grad():
         logits = logits_of(model, TOKENS).float()
     difference = (logits - reference_logits("llama", reference)).abs().max().item()
-    return {"remainder": remainder, "max_logit_diff": difference, "weights_differ": weights_differing(model, reference)}
+    facts = {
+        "remainder": remainder,
+        "max_logit_diff": difference,
+        "weights_differ": weights_differing(model, reference),
+    }
+    # docs/api.md: Fabric's own load_raw drops the strategy's result; strategy.load_raw returns the LoadResult
+    facts["fabric_load_raw_returned"] = fabric.load_raw(file, model)
+    result = fabric.strategy.load_raw(file, model)
+    facts["strategy_load_raw_returned"] = (type(result).__name__, len(result.loaded), result.missing, result.unexpected)
+    return facts

@@ -91,7 +91,8 @@ def test_init_under_tensor_parallelism():
         (
             {"tensor_parallel_size": 3},
             "tensor_parallel_size(3) does not divide ranks_per_node(2): tensor parallelism exchanges activations in"
-            " every layer and must stay inside a node. Choose a divisor of ranks_per_node: [1, 2].",
+            " every layer and must stay inside a node. Choose a size that divides ranks_per_node and shard_size(2):"
+            " [1, 2] (the model's heads are checked at setup_module).",
         ),
         (
             {"tensor_parallel_size": 2, "heads": 3},

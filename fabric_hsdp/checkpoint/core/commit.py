@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fabric_hsdp.checkpoint.core.progress import log_throughput
+from fabric_hsdp.errors import write_error
 
 _logger = logging.getLogger(__name__)
 
@@ -99,9 +100,12 @@ def discard(staged: Path) -> None:
 
 
 def commit_and_log(staged: Path, path: Path, started: float, verb: str) -> None:
-    """Rank 0, once every rank has written: :func:`commit` ``staged`` to ``path``, then log the save's size and
-    throughput since ``started`` (``time.monotonic()``)."""
-    commit(staged, path)
+    """Rank 0, once every rank has written: :func:`commit` ``staged`` to ``path`` (an ``OSError`` becomes a
+    ``SaveError`` naming ``path``), then log the save's size and throughput since ``started`` (``time.monotonic()``)."""
+    try:
+        commit(staged, path)
+    except OSError as error:
+        raise write_error(path, error) from None
     log_throughput(verb, path, time.monotonic() - started)
 
 
@@ -219,6 +223,22 @@ def _size(count: int) -> str:
     return format_binary_bytes(count)
 
 
+def check_destination(dest: Path, overwrite: bool) -> None:
+    """Raise unless ``dest`` can be created: absent (or ``overwrite``), in a directory that exists.
+
+    Raises:
+        FileExistsError: ``dest`` exists and ``overwrite`` is false.
+        NotADirectoryError: ``dest``'s parent is a file.
+        FileNotFoundError: ``dest``'s parent directory does not exist.
+    """
+    if (dest.exists() or dest.is_symlink()) and not overwrite:
+        raise FileExistsError(f"'{dest}' already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    if dest.parent.exists() and not dest.parent.is_dir():
+        raise NotADirectoryError(f"cannot write '{dest}': '{dest.parent}' is a file, not a directory")
+    if not dest.parent.is_dir():
+        raise FileNotFoundError(f"cannot write '{dest}': directory '{dest.parent}' does not exist")
+
+
 @contextmanager
 def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary path to write ``dest`` at (a file or a directory); it becomes ``dest`` only on success.
@@ -231,30 +251,26 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
     Raises:
         FileExistsError: ``dest`` exists and ``overwrite`` is false.
         FileNotFoundError: ``dest``'s parent directory does not exist.
-        PermissionError: ``dest``'s parent directory is not writable (the message names ``dest``, not the hidden
-            staging path).
+        NotADirectoryError: ``dest``'s parent is a file.
+        SaveError: the staging sibling cannot be created (the directory is not writable: read-only, no permission)
+            or the result cannot be renamed to ``dest``; the message names ``dest``, not the hidden staging path.
+        OSError: writing failed (e.g. a full disk), re-raised naming ``dest``.
     """
     dest = Path(dest)
-    if (dest.exists() or dest.is_symlink()) and not overwrite:
-        raise FileExistsError(f"'{dest}' already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    check_destination(dest, overwrite)
     parent = dest.parent
-    if not parent.is_dir():
-        raise FileNotFoundError(f"cannot write '{dest}': directory '{parent}' does not exist")
     remove_stale_outputs(dest)
     staging = parent / f".{dest.name}{_OUTPUT_STAGING}{uuid.uuid4().hex[:12]}"
     try:
         staging.mkdir()
-    except PermissionError as error:
-        raise PermissionError(
-            error.errno,
-            f"cannot write '{dest}': directory '{parent}' is not writable ({error.strerror}); choose another"
-            " destination or change the directory's permissions",
-        ) from None
+        (staging / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")  # who writes it, for the next writer
+    except OSError as error:
+        remove_path(staging)
+        raise write_error(dest, error, creating=True) from None
     except BaseException:  # a signal handled as the mkdir returned: the directory may exist already
         remove_path(staging)
         raise
     try:
-        (staging / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")  # who writes it, for the next writer
         try:
             yield staging / dest.name
         except OSError as error:
@@ -266,6 +282,9 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
         if not (result.exists() or result.is_symlink()):
             raise RuntimeError(f"nothing was written for '{dest}'")
         fsync_tree(result)
-        commit(result, dest)  # one rename, or one atomic exchange with the dest it replaces
+        try:
+            commit(result, dest)  # one rename, or one atomic exchange with the dest it replaces
+        except OSError as error:
+            raise write_error(dest, error) from None
     finally:
         remove_path(staging)

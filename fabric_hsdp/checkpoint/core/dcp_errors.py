@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fabric_hsdp.errors import SaveError
+from fabric_hsdp.errors import SaveError, write_error
 
 
 @contextmanager
@@ -58,11 +58,22 @@ def first_failure(error: CheckpointException) -> BaseException:
 
 def save_error(error: BaseException, path: Path) -> SaveError:
     """The error for a failed DCP save, naming each failed rank and its exception (DCP wraps them per rank)."""
+    if isinstance(error, SaveError):  # already says what failed (rank 0's commit of a background save)
+        return error
+    if isinstance(error, OSError):  # not DCP's: rank 0 committing a background save
+        return write_error(path, error)
     causes = rank_failures(error)
-    details = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(causes.items()))
+    details = "; ".join(f"rank {rank}: {_describe(e)}" for rank, e in sorted(causes.items()))
     if not details:
-        details = f"{type(error).__name__}: {error}"
+        details = _describe(error)
     return SaveError(
         f"saving checkpoint '{path}' failed ({details}). Nothing was written at '{path}'; the previous checkpoint"
         " there, if any, is intact."
     )
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: message``; an ``OSError`` without its file name, which is inside the hidden staging directory."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{type(error).__name__}: {error.strerror}"
+    return f"{type(error).__name__}: {error}"

@@ -18,6 +18,7 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
 from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
+from fabric_hsdp.errors import write_error
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
 
@@ -63,6 +64,8 @@ def save_full(path: Path, state: dict[str, Any]) -> None:
                     write_safetensors(path, model_tensors, overwrite=True)
                 else:
                     write_torch_file(path, model_tensors, extras=extras, model_key=model_key, overwrite=True)
+            except OSError as error:  # e.g. a full disk: fabric.save raises SaveError for every OSError
+                raise write_error(path, error) from None
             finally:
                 _broadcast_name(None)  # releases the other ranks, also when writing failed
         else:

@@ -30,7 +30,7 @@ from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
 from fabric_hsdp.checkpoint.training import background, replica_split
 from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
-from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.errors import CheckpointError, write_error
 from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
 
 
@@ -54,9 +54,16 @@ def save_sharded(
     started = time.monotonic()
     with fail_together(f"preparing to save checkpoint '{path}'"):
         if rank == 0:
-            commit.remove_leftovers(path)
-            staged.mkdir(parents=True)
-            _save_meta(plain_values(plain), staged / META_FILE)
+            try:
+                commit.remove_leftovers(path)
+                staged.mkdir(parents=True)
+            except OSError as error:  # the user's path in the message, not the hidden staging directory
+                raise write_error(path, error, creating=True) from None
+            try:
+                _save_meta(plain_values(plain), staged / META_FILE)
+            except OSError as error:
+                commit.discard(staged)
+                raise write_error(path, error) from None
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fabric_hsdp.checkpoint.core.commit import check_destination
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, apply_key_map
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.progress import Progress
@@ -121,6 +122,45 @@ def _hf_sidecars(source: Path) -> dict[str, Path]:
     }
 
 
+def _given_config(hf_config: str | os.PathLike | None, hf_directory: bool) -> Path | None:
+    """The ``config.json`` that ``hf_config`` names (the file, or a directory holding it); checked up front."""
+    if hf_config is None:
+        return None
+    path = Path(hf_config)
+    if not hf_directory:
+        raise ValueError(
+            f"hf_config applies to a Hugging Face directory output (to='safetensors', CLI --to safetensors, with a"
+            f" directory DEST), not to '{path}'"
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"hf_config '{path}' does not exist; pass a config.json or the directory holding it")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"hf_config '{path}' is a directory without config.json; pass the file itself")
+        path = path / "config.json"
+    return path
+
+
+def _found_config(source: Path) -> Path | None:
+    """A ``config.json`` inside ``source`` (a directory) or next to it, for a Hugging Face directory output."""
+    for candidate in (source / "config.json", source.parent / "config.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _hf_extra_files(source: Path, dest: Path, from_hf: bool, given_config: Path | None) -> dict[str, Path]:
+    """What travels into a Hugging Face directory output: the source's sidecars (from a Hugging Face directory),
+    and ``config.json``: the given one, else the source's, else one found in or next to the source (logged)."""
+    files = _hf_sidecars(source) if from_hf else {}
+    config = given_config or files.get("config.json") or _found_config(source)
+    if config is None:
+        return files
+    if config != files.get("config.json"):
+        _logger.info("copying config.json from '%s' into '%s'", config, dest)
+    return {**files, "config.json": config}
+
+
 def convert_checkpoint(
     source: str | os.PathLike,
     dest: str | os.PathLike,
@@ -132,6 +172,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     weights_only: bool = True,
     model_only: bool = False,
+    hf_config: str | os.PathLike | None = None,
 ) -> ConvertSummary:
     """Convert a checkpoint, streaming one tensor at a time; the output appears only once complete.
 
@@ -148,6 +189,9 @@ def convert_checkpoint(
         weights_only: unpickle safely; ``False`` only for trusted checkpoints.
         model_only: write the model tensors alone (a torch file then holds a flat state dict, like litgpt's
             ``lit_model.pth``), leaving out optimizer state and other extras.
+        hf_config: for a Hugging Face directory output, the ``config.json`` (or a directory holding it) to copy
+            in, so ``from_pretrained`` loads the output. Without it: the source's own (a Hugging Face directory),
+            else a ``config.json`` inside or next to the source; with none, a warning says how to add it.
 
     Optimizer state and other extras of a wrapped checkpoint are kept when the output can hold them (DCP, torch
     file) unless ``model_only``, and left out, with a warning, for safetensors.
@@ -165,8 +209,9 @@ def convert_checkpoint(
     )  # bad sizes fail up front
     if source.exists() and dest.exists() and source.resolve() == dest.resolve():
         raise ValueError(f"source and destination are the same path '{dest}'; write to a new path instead")
-    if (dest.exists() or dest.is_symlink()) and not overwrite:
-        raise FileExistsError(f"'{dest}' already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    check_destination(dest, overwrite)  # before anything is read
+    hf_directory = format == "safetensors" and dest.suffix != ".safetensors"
+    given_config = _given_config(hf_config, hf_directory)
     started = time.perf_counter()
     with open_checkpoint(source, weights_only=weights_only) as checkpoint:
         lazy = checkpoint.lazy_tensors()
@@ -194,15 +239,24 @@ def convert_checkpoint(
             else:
                 # configs and tokenizer files travel with the weights only from a Hugging Face directory
                 from_hf = checkpoint.format.startswith("hf-")
-                sidecars = _hf_sidecars(source) if from_hf and dest.suffix != ".safetensors" else {}
+                extra_files = _hf_extra_files(source, dest, from_hf, given_config) if hf_directory else {}
                 write_safetensors(
                     dest,
                     tensors,
                     max_shard_size=shard_limit,
-                    extra_files=sidecars,
+                    extra_files=extra_files,
                     overwrite=overwrite,
                     on_tensor=bar.update,
                 )
+                if hf_directory and "config.json" not in extra_files:  # said once the output exists
+                    _logger.warning(
+                        "'%s' has no config.json (none in or next to '%s'), so transformers' from_pretrained cannot"
+                        " load it. Pass hf_config= (CLI: --hf_config PATH) the model's config.json or directory, or"
+                        " copy its config.json into '%s'",
+                        dest,
+                        source,
+                        dest,
+                    )
         summary = ConvertSummary(
             tensors=len(tensors) + len(tensor_leaves(extras)),
             bytes=total,
