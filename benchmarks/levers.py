@@ -2,7 +2,8 @@
 
 1 node x 2 CPU ranks (gloo, ``tests/helpers/launch.py``), FSDP over both; the example LLaMA (``examples/tiny_llama``)
 at dim 256, 4 layers, 8 heads, sequence 256, micro-batch 4. Each rank sets up one model per variant -- plain (no
-activation checkpointing), AC full, selective, every 2nd block, ``compile=True`` (inductor), compile + selective --
+activation checkpointing), AC full, selective, every 2nd block, ``compile=True`` (inductor), compile + selective,
+tensor parallelism over the two ranks (TP 2), TP 2 with sequence parallelism, and with loss parallelism too --
 runs a warm-up step each (compile happens there), then ``--rounds`` rounds in which every variant runs ``--steps``
 steps, the order rotated each round. Per variant: the median step seconds (the slowest rank's), and the peak resident
 memory of a step above the resident memory before it (``VmHWM`` reset through ``/proc/self/clear_refs``, glibc told to
@@ -30,6 +31,10 @@ VARIANTS = {
     "AC every 2nd": {"ac": 2},
     "compile": {"compile": True},
     "compile + selective": {"compile": True, "ac": "selective"},
+    # tensor parallelism over the 2 ranks (mesh (1, 1, 2)): sequence parallel, then loss parallel on top
+    "TP 2": {"tp": 2},
+    "TP 2 + SP": {"tp": 2, "sp": True},
+    "TP 2 + SP + LP": {"tp": 2, "sp": True, "lp": True},
 }
 SEQ, BATCH = 256, 4
 
@@ -54,6 +59,9 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
         kwargs: dict[str, Any] = {"sharded_modules": {Block}, "compile": lever.get("compile", False)}
         if "ac" in lever:
             kwargs.update(activation_checkpointing={Block}, activation_checkpointing_mode=lever["ac"])
+        if "tp" in lever:
+            kwargs.update(tensor_parallel_size=lever["tp"], sequence_parallel=lever.get("sp", False))
+            kwargs.update(loss_parallel=lever.get("lp", False))
         fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=HybridFSDPStrategy(**kwargs))
         fabric.launch()
         torch.manual_seed(0)
@@ -69,8 +77,9 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set size
         before = _status("VmRSS")
         start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        fabric.backward(loss)
+        with fabric.strategy.loss_parallel():  # a no-op unless loss_parallel=True
+            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         return time.perf_counter() - start, _status("VmHWM") - before
@@ -97,7 +106,7 @@ def tracked_activations(fabric: Any, model: Any, optimizer: Any, tokens: Any) ->
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     tracker = FSDPMemTracker(model, optimizer)
-    with tracker:
+    with tracker, fabric.strategy.loss_parallel():
         loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         fabric.backward(loss)
         optimizer.step()
@@ -160,7 +169,6 @@ def planned_activations() -> dict[str, int]:
 
     with torch.device("meta"):
         model = Llama(LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=8, hidden_dim=688, max_seq_len=SEQ))
-    shape = model_shape_of_module(model)
     planned = {}
     for name, lever in VARIANTS.items():
         training = Training(
@@ -168,8 +176,12 @@ def planned_activations() -> dict[str, int]:
             Workload(BATCH, SEQ, "adamw"),
             activation_checkpointing="ac" in lever,
             activation_checkpointing_mode=lever.get("ac", "full"),
+            sequence_parallel=lever.get("sp", False),
+            loss_parallel=lever.get("lp", False),
         )
-        planned[name] = memory_per_device(shape, training, 2, 1).activations
+        tp = lever.get("tp", 1)
+        shape = model_shape_of_module(model, tensor_parallel_plan="auto" if tp > 1 else None)
+        planned[name] = memory_per_device(shape, training, 2 // tp, tp).activations
     return planned
 
 
