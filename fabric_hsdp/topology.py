@@ -177,6 +177,21 @@ class Topology:
             return (replica, position)
         return (replica, *divmod(position, self.tensor_parallel_size))
 
+    def rank_groups(self, dim: str) -> list[list[int]]:
+        """The rank groups along mesh dim ``dim`` (``"replicate"``, ``"shard"`` = FSDP, ``"tensor"``), each in rank
+        order: the ranks whose :meth:`coordinates` differ in ``dim`` only. Without tensor parallelism every rank is
+        its own ``"tensor"`` group."""
+        if dim not in (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM):
+            raise ValueError(f"mesh dim {dim!r} is not one of {REPLICATE_DIM!r}, {SHARD_DIM!r}, {TENSOR_DIM!r}")
+        if dim not in self.mesh_dim_names:
+            return [[rank] for rank in range(self.world_size)]
+        index = self.mesh_dim_names.index(dim)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            coordinates = self.coordinates(rank)
+            groups.setdefault(coordinates[:index] + coordinates[index + 1 :], []).append(rank)
+        return list(groups.values())
+
     def position_in_copy(self, global_rank: int) -> int:
         """Which part of one model copy this rank holds (``shard * T + tensor``), in ``0 .. shard_size - 1``."""
         return global_rank % self.shard_size

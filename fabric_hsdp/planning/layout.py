@@ -8,8 +8,6 @@ mesh is ``(replicate, shard[, tensor])`` with tensor innermost, global rank ``(r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from fabric_hsdp.topology import Topology
 
 
@@ -33,29 +31,6 @@ def candidate_layouts(
             except ValueError:
                 continue  # the strategy would refuse it too
     return layouts
-
-
-def rank_groups(topology: Topology, dim: str) -> Iterator[list[int]]:
-    """The rank groups along mesh dim ``dim`` ('replicate', 'shard' = FSDP, 'tensor'), each in ring order."""
-    replicas, fsdp, tensor = topology.replicate_size, topology.fsdp_size, topology.tensor_parallel_size
-
-    def rank(r: int, s: int, t: int) -> int:
-        return (r * fsdp + s) * tensor + t
-
-    if dim == "shard":
-        for r in range(replicas):
-            for t in range(tensor):
-                yield [rank(r, s, t) for s in range(fsdp)]
-    elif dim == "replicate":
-        for s in range(fsdp):
-            for t in range(tensor):
-                yield [rank(r, s, t) for r in range(replicas)]
-    elif dim == "tensor":
-        for r in range(replicas):
-            for s in range(fsdp):
-                yield [rank(r, s, t) for t in range(tensor)]
-    else:
-        raise ValueError(f"mesh dim {dim!r} is not one of 'replicate', 'shard', 'tensor'")
 
 
 def describe(topology: Topology) -> str:

@@ -29,7 +29,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fabric_hsdp.planning.layout import rank_groups
 from fabric_hsdp.planning.memory import Training, unit_sizes
 from fabric_hsdp.planning.model import ModelShape
 from fabric_hsdp.topology import Topology
@@ -71,7 +70,7 @@ def traffic_per_step(model: ModelShape, training: Training, layout: Topology, ba
     for dim, edge_bytes in per_edge.items():
         if edge_bytes == 0:
             continue
-        for group in rank_groups(layout, dim):
+        for group in layout.rank_groups(dim):
             _count_ring(group, edge_bytes, layout.ranks_per_node, inter[dim], intra_of[dim])
     intra: dict[int, float] = defaultdict(float)
     for counts in intra_of.values():

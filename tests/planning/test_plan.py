@@ -18,7 +18,6 @@ from fabric_hsdp.planning import (
     model_shape,
     traffic_per_step,
 )
-from fabric_hsdp.planning.layout import rank_groups
 from fabric_hsdp.topology import Topology
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "plan"
@@ -138,12 +137,12 @@ def test_layouts_are_exactly_what_the_topology_accepts(nodes, per_node):
 def test_tensor_parallel_ranks_are_consecutive_and_inside_a_node():
     layout = Topology(num_nodes=2, ranks_per_node=8, shard_size=16, tensor_parallel_size=4)
     assert layout.mesh_shape == (1, 4, 4) and layout.mesh_dim_names == ("replicate", "shard", "tensor")
-    assert list(rank_groups(layout, "tensor")) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
-    assert list(rank_groups(layout, "shard"))[1] == [1, 5, 9, 13]
+    assert layout.rank_groups("tensor") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert layout.rank_groups("shard")[1] == [1, 5, 9, 13]
     # the topology's own coordinates agree with the groups: rank 9 is (r=0, s=2, t=1)
     assert layout.coordinates(9) == (0, 2, 1)
     assert Topology(2, 8, 8, 1).mesh_shape == (2, 8)
-    assert list(rank_groups(Topology(2, 8, 8, 1), "replicate"))[3] == [3, 11]
+    assert Topology(2, 8, 8, 1).rank_groups("replicate")[3] == [3, 11]
 
 
 def tiny(vocab=256, hidden=64, inner=96, layers=2, heads=4, kv_heads=2):
