@@ -136,7 +136,7 @@ def make_replicas_identical(module: nn.Module, mesh: ParallelMesh) -> None:
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             for dim in mesh.replicated_dims(tensor):
-                if mesh.device_mesh.size(mesh.dim_names.index(dim)) > 1:
+                if mesh.size(dim) > 1:
                     dist.broadcast(local, group=mesh.group(dim), group_src=0)
 
 

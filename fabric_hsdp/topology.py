@@ -274,6 +274,10 @@ class ParallelMesh:
     def dim_names(self) -> tuple[str, ...]:
         return self.topology.mesh_dim_names
 
+    def size(self, dim_name: str) -> int:
+        """How many ranks one named dim spans."""
+        return dict(zip(self.dim_names, self.topology.mesh_shape, strict=True))[dim_name]
+
     def group(self, dim_name: str) -> dist.ProcessGroup:
         """The process group of this rank along one named dim."""
         return self.device_mesh.get_group(dim_name)

@@ -79,7 +79,7 @@ def raw_part(tensor: torch.Tensor, mesh: ParallelMesh, splits: list[Split]) -> t
     if not _splits(tensor, local, mesh, replicas):
         return None
     rows = local.shape[0] // replicas
-    replica = mesh.device_mesh.get_local_rank("replicate")
+    replica = mesh.replicate.get_local_rank()
     start, stop = replica * rows, (replica + 1) * rows
     splits.append(Split(local, local[start:stop]))
     return start, stop
