@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -254,4 +255,41 @@ def tensor_parallel_init(num_nodes: int, devices: int, shard_size: Any = "node")
         tokens, _ = batch(2)
         with torch.no_grad():
             facts[kind]["max_logit_diff"] = (logits_of(model, tokens) - logits_of(reference, tokens)).abs().max().item()
+        facts[kind]["gradient_norm"] = _gradient_norms(fabric, model, reference, tokens)
     return facts
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _gradient_norms(fabric: L.Fabric, model: Any, reference: torch.nn.Module, tokens: torch.Tensor) -> dict[str, Any]:
+    """One backward's gradient norm from ``fabric.clip_gradients`` and what DTensor logged meanwhile, the same norm
+    with DTensor's one all-reduce per mesh dim, and one process's norm of the same weights and batch."""
+    from torch.distributed.tensor import _redistribute
+
+    from fabric_hsdp.gradients import clip_grad_norm
+
+    targets = tokens.roll(-1, dims=1)
+    for module in (model, reference):
+        loss = torch.nn.functional.cross_entropy(logits_of(module, tokens).flatten(0, 1), targets.flatten())
+        fabric.backward(loss) if module is model else loss.backward()
+    # after the backward: FSDP leaves the root's parameters gathered after a forward (the one above, in no_grad)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.0))
+    with _redistribute.disable_redistribute_transform_optimization():  # max_norm=inf: the gradients stay as they are
+        sequential = clip_grad_norm(model.parameters(), max_norm=float("inf")).item()
+    _redistribute._warned_flatten_issues.clear()  # DTensor logs a missing flattened dim once per process
+    records = _Records()
+    logger = logging.getLogger("torch.distributed.tensor")
+    logger.addHandler(records)
+    try:
+        norm = fabric.clip_gradients(model, optimizer, max_norm=0.5).item()
+    finally:
+        logger.removeHandler(records)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5).item()
+    return {"ours": norm, "sequential": sequential, "reference": expected, "logged": records.messages}

@@ -59,7 +59,8 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
 
 @pytest.mark.slow
 def test_init_under_tensor_parallelism():
-    """Per-rank seeds: every part of a copy differs, replicated values are equal along their dims; logits exact."""
+    """Per-rank seeds: every part of a copy differs, replicated values are equal along their dims; logits exact;
+    the gradient norm of the same weights as one process's, reduced in one all-reduce with no DTensor warning."""
     values = launch("tests.scenarios.core:tensor_parallel_init", num_nodes=1, ranks_per_node=4).check().values
     for kind, facts in values[0].items():
         assert facts["mesh_shape"] == (1, 2, 2) and facts["mesh_dim_names"] == ("replicate", "shard", "tensor")
@@ -78,6 +79,13 @@ def test_init_under_tensor_parallelism():
         # not bit-exact: row-wise layers sum partial products over the tensor-parallel ranks in another order; a
         # misplaced slice would be off by the size of the logits (~1)
         assert facts["max_logit_diff"] < 1e-5, kind
+        # DTensor reduces the norm over (shard, tensor) in one all-reduce, on the flattened dim the topology makes,
+        # and logs nothing ("While redistributing ... N sequential all_reduce operations ..." without it)
+        for rank_values in values:
+            norms = rank_values[kind]["gradient_norm"]
+            assert norms["logged"] == [], (kind, norms["logged"])
+            assert norms["ours"] == pytest.approx(norms["sequential"], rel=1e-6), (kind, norms)
+            assert norms["ours"] == pytest.approx(norms["reference"], rel=1e-5), (kind, norms)
     assert values[0]["litgpt"]["fused"] == [f"transformer.h.{i}.attn.qkv.weight" for i in range(2)]
     placements = values[0]["litgpt"]["placements"]
     assert placements["transformer.h.0.attn.qkv.weight"] == ("R", "_S(0, 2)", "S(0)")
