@@ -28,6 +28,7 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
     from fabric_hsdp.checkpoint.training.sharded import _save_meta, in_stored_layout
     from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
+    from fabric_hsdp.tensor_parallel import module_layout
 
     state = _unwrap_objects(state)
     if strategy._checkpoints.state_dict_type == "full" or path.suffix == ".safetensors":
@@ -35,9 +36,10 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     model_key, model, optimizers, plain = state_parts(state)
     target = scratch / f"{path.name or 'checkpoint'}.rank{rank}"
     target.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
-    for key, optimizer in optimizers.items():
-        tensors[key] = get_optimizer_state_dict(model, optimizer)
+    with module_layout():  # as the strategy's save: the checkpoint code maps TP's regrouped rows shard by shard
+        tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
+        for key, optimizer in optimizers.items():
+            tensors[key] = get_optimizer_state_dict(model, optimizer)
     share = _expected_share(tensors, rank)
     stored, _ = in_stored_layout(tensors, model)
     if rank == 0:  # rank 0 writes the plain values beside the shards

@@ -210,6 +210,17 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_dryrun.py::test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save",),
     ),
+    "23b": Plant(
+        "a dry run's save takes the checkpoint code's path under TP (#23)",
+        "the dry run's save reads the state dict through the export hooks (whole litgpt qkv weights on every rank)",
+        (
+            (
+                "    with module_layout():  # as the strategy's save",
+                "    import contextlib\n\n    with contextlib.nullcontext():  # planted; as the strategy's save",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_a_tensor_parallel_save_of_litgpt_writes_this_ranks_shards_only",),
+    ),
     "25a": Plant(
         "compiled blocks under tensor parallelism train like eager (#25)",
         "the embedding's asynchronous TP output reaches the compiled block (litgpt's embedding gets no gradient)",
