@@ -132,7 +132,9 @@ def llama3_8b_config(directory: Path) -> Path:
 def case_8b(optimizer: str) -> None:
     with tempfile.TemporaryDirectory(prefix="dryrun-8b-") as directory:
         config = llama3_8b_config(Path(directory))
-        base = ["--model", str(config), "--precision", "bf16-true", "--activation_checkpointing", "--seq_len", "16"]
+        # 2 tokens: a rank of 2 x 8 computes the whole 8B forward (no TP), in bf16 matmuls that run at ~1 GFLOP/s on
+        # a CPU without bf16 units; activations are then small next to the sharded state the comparison is about
+        base = ["--model", str(config), "--precision", "bf16-true", "--activation_checkpointing", "--seq_len", "2"]
         base += ["--optimizer", optimizer, "--shard_size", "node"]
         print(row("transformers Llama-3-8B, 2 x 8 HSDP", dry_run(2, 8, 13, base)))
         print(row("transformers Llama-3-8B, 4 x 8 TP 2", dry_run(4, 8, 29, [*base, "--tp", "2"])))
@@ -156,7 +158,7 @@ def case_world() -> None:
         print("  world  nodes x per node  setup s  setup host GB  load s  load host GB  read MB")
         for nodes in (1, 8, 64, 128):
             args = ["--model", model_name, "--shard_size", "world", "--init_from", str(file), "--optimizer", "none"]
-            report = dry_run(nodes, 8, nodes * 8 - 1, args)
+            report = dry_run(nodes, 8, nodes * 8 - 1, args, max_steps=0)  # set-up and load only
             setup, load = report["phases"]["setup"], report["phases"]["load"]
             print(
                 f"  {nodes * 8:>5}  {nodes:>5} x 8        {setup['seconds']:>7.2f}  {setup['host_peak'] / GB:>13.3f}"

@@ -148,7 +148,8 @@ class DryRunSession:
             self.notes.append(f"no planner comparison: {error}")
         result = original(strategy, module)
         self.model = result
-        result.register_forward_pre_hook(self._record_tokens, with_kwargs=True)
+        # before FSDP's own pre-forward hook: --max_steps 0 stops before its lazy init and first all-gather
+        result.register_forward_pre_hook(self._record_tokens, with_kwargs=True, prepend=True)
         self.meter.end("setup")
         return result
 
