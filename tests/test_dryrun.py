@@ -64,6 +64,7 @@ def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scra
     assert set(report.phases) == {"setup", "load", "step", "save"}
     assert report.planned is not None and report.planned.parameters == 4 * expected
     assert report.ratio is not None and report.ratio > 0
+    assert not any("before the optimizer allocated" in note for note in report.notes)  # 2 steps: a steady one
     (save,) = report.saves
     assert save["by_dry_run"] and save["kind"] == "sharded"  # the script's own save came after the limit
     assert save["files"] and all(name.endswith(".distcp") for name in save["files"])
@@ -94,6 +95,7 @@ def test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save(tmp_pa
     assert not save["by_dry_run"] and save["path"] == "ckpt" and save["written"] > 0
     assert not Path("ckpt").exists()
     assert any("ended after 1 optimizer step" in note for note in report.notes)
+    assert any("before the optimizer allocated its state" in note for note in report.notes)  # 1 step of AdamW
     assert report.planned.workload == "2 x 16 tokens, adamw, activation checkpointing (selective), sequence parallel"
 
 

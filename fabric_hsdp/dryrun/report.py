@@ -150,6 +150,11 @@ def build_report(session: Any) -> DryRunReport:
         notes.append("/proc/self/clear_refs is not writable: each phase's host peak is the run's peak so far")
     if session.steps < session.max_steps:
         notes.append(f"the script ended after {session.steps} optimizer step(s), before --max_steps")
+    if session.steps == 1 and any(_lazy_state(optimizer) for optimizer in session.optimizers):
+        notes.append(
+            "one step measured: its backward ran before the optimizer allocated its state (at its first step()),"
+            " which the planner counts throughout; --max_steps 2 measures a steady step"
+        )
     return DryRunReport(
         world=world.describe(),
         rank=world.rank,
@@ -208,6 +213,11 @@ def _levers(training: Any) -> list[str]:
         levers.append(f"activation checkpointing ({training.activation_checkpointing_mode})")
     levers += ["sequence parallel"] * training.sequence_parallel + ["loss parallel"] * training.loss_parallel
     return levers
+
+
+def _lazy_state(optimizer: Any) -> bool:
+    """Whether ``optimizer`` keeps per-parameter state (AdamW's moments, SGD's momentum), made at its first step."""
+    return any(state for state in getattr(optimizer, "state", {}).values())
 
 
 def _optimizer_kind(optimizers: list[Any]) -> str:
