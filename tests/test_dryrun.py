@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fabric_hsdp.cli import main
-from fabric_hsdp.dryrun import NOT_MEANINGFUL, dry_run
+from fabric_hsdp.dryrun import NOT_MEANINGFUL, dry_run, rank_kinds
 
 SCRIPT = Path(__file__).with_name("helpers") / "dryrun_script.py"
 
@@ -177,14 +177,29 @@ def test_plan_verify_dry_runs_the_recommended_layout(tmp_path, capsys):
 
 
 def test_all_kinds_picks_one_rank_per_role():
-    from fabric_hsdp.dryrun import rank_kinds
-
     # 16 x 8, shard_size="world", TP 8: mesh (1, 16, 8); TP-group edges and shard-dim edges
     kinds = rank_kinds((1, 16, 8), devices_per_node=8)
     assert sorted(kinds) == [0, 7, 120, 127]
     assert kinds[7] == "mesh corner (0, 0, 7); last of a node"
     # HSDP 4 x 8: the first and last replica, the first and last rank of a shard group
     assert sorted(rank_kinds((4, 8), devices_per_node=8)) == [0, 7, 24, 31]
+
+
+@pytest.mark.timeout(600)
+def test_all_kinds_runs_each_role_once_in_its_own_process(tmp_path, capsys):
+    """``--rank all-kinds`` end to end: rank 0 first, then every other role of 2 x 2 with TP 2 (mesh (2, 1, 2))."""
+    args = ["dryrun", "--num_nodes", "2", "--devices_per_node", "2", "--rank", "all-kinds", "--json"]
+    args += [SCRIPT, tmp_path / "facts.json", "--num_nodes", "2", "--devices", "2", "--tp", "2", "--steps", "1"]
+    code = main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    reports = json.loads(captured.out)
+    by_rank = {report["rank"]: report for report in reports}
+    assert sorted(by_rank) == sorted(rank_kinds((2, 1, 2), devices_per_node=2))
+    for rank, report in by_rank.items():
+        assert report["kind"] and report["world_size"] == 4 and tuple(report["mesh_shape"]) == (2, 1, 2)
+        assert tuple(report["coordinates"]) == (rank // 2, 0, rank % 2)  # each process played its own rank
+        assert report["steps"] == 1
 
 
 @pytest.mark.timeout(600)
