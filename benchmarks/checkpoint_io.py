@@ -133,8 +133,8 @@ def save_and_load(variant: str, millions: float, workdir: str, drop_cache: bool,
     # async_save: what the staged copies added to this rank's memory while the write runs (resident memory can
     # grow less: the allocator reuses what the training step freed), and the bytes the stager holds
     extra_bytes = _resident_bytes() - resident
-    stager = getattr(getattr(fabric.strategy, "_background", None), "stager", None)
-    staged_bytes = sum(b.nbytes for b in stager._buffers.values()) if background and stager is not None else 0
+    stager = fabric.strategy._checkpoints._background.stager if variant == "ours" else None  # Lightning has none
+    staged_bytes = sum(b.nbytes for b in stager._buffers.values()) if background else 0
     # async_save: fabric.save returned once the shards were copied; the write goes on until committed
     wait_seconds, wait_cpu, _ = timed(fabric, fabric.strategy.wait_for_checkpoint) if background else (0.0, 0.0, None)
     saved_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if fabric.global_rank == 0 else 0
