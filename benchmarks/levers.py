@@ -105,7 +105,7 @@ def tracked_activations(fabric: Any, model: Any, optimizer: Any, tokens: Any) ->
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = FSDPMemTracker(model.module, optimizer.optimizer)  # Fabric's wrappers hold the FSDP module and optimizer
     with tracker, fabric.strategy.loss_parallel():
         loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         fabric.backward(loss)
