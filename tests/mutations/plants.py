@@ -123,7 +123,7 @@ PLANTS: dict[str, Plant] = {
     "9a": Plant(
         "no silent skip under make test / CI",
         "the 1 MiB tmpfs cannot be mounted (the disk-full tests skip)",
-        (('["mount", "-t", "tmpfs"', '["false", "-t", "tmpfs"'),),
+        (('["mount", "-t", "tmpfs", "-o", "size=1m"', '["false", "-t", "tmpfs", "-o", "size=1m"'),),
         ("tests/test_cli.py::test_disk_full_exits_1_and_leaves_nothing",),
         env=(("FABRIC_HSDP_NO_SKIPS", "1"),),
     ),
