@@ -38,13 +38,7 @@ from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
 from fabric_hsdp.parallelize import Levers, parallelize, validate_activation_checkpointing_mode, validate_compile
-from fabric_hsdp.planning.auto import (
-    auto_topology,
-    check_memory_budget,
-    describe_choice,
-    smallest_budget,
-    training_of,
-)
+from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, offloads, smallest_budget
 from fabric_hsdp.planning.memory import Training, Workload
 from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
 from fabric_hsdp.sharding import (
@@ -399,13 +393,14 @@ class HybridFSDPStrategy(ParallelStrategy):
     def planner_training(self, workload: Workload | None = None) -> Training:
         """How the planner sees this strategy's training (precision, levers, offload) for ``workload``: what
         ``shard_size="auto"`` chooses with and the dry run's report compares against."""
-        return training_of(
+        raf = self._reshard_after_forward
+        return Training(
             precision=self.precision_name,
-            workload=workload,
+            workload=workload or Workload(),
             activation_checkpointing=self._activation_checkpointing is not None,
             activation_checkpointing_mode=self._levers.activation_checkpointing_mode,
-            cpu_offload=self._cpu_offload,
-            reshard_after_forward=self._reshard_after_forward,
+            cpu_offload=offloads(self._cpu_offload),
+            reshard_after_forward=None if raf is None else bool(raf),
             sequence_parallel=self._levers.sequence_parallel,
             loss_parallel=self._levers.loss_parallel,
         )

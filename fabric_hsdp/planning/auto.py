@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fabric_hsdp.planning.memory import Training, Workload
+from fabric_hsdp.planning.memory import Training
 from fabric_hsdp.planning.model import model_shape_of_module
 from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN, Cluster, Plan, make_plan, no_fit_error
 from fabric_hsdp.planning.report import plan_table
@@ -70,7 +70,7 @@ def auto_topology(
     """Plan ``module`` with ``budget`` bytes per device; return the topology of the recommended layout and the plan.
 
     The tensor-parallel size is the strategy's (the plan varies ``shard_size`` only); the split dims come from its
-    ``tensor_parallel_plan``. ``training`` is the strategy's (:func:`training_of`): the levers (AC mode, sequence and
+    ``tensor_parallel_plan``. ``training`` is the strategy's (``planner_training()``): the levers (AC mode, sequence and
     loss parallel) change the activation estimate as ``fabric-hsdp plan``'s options do. The ranking is the plan's
     (per token; with the TP size fixed, the tokens per step are the same for every row). No collectives.
 
@@ -98,33 +98,8 @@ def describe_choice(plan: Plan) -> str:
     )
 
 
-def training_of(
-    *,
-    precision: str,
-    workload: Workload | None,
-    activation_checkpointing: bool,
-    cpu_offload: Any,
-    reshard_after_forward: bool | int | None,
-    activation_checkpointing_mode: str | int = "full",
-    sequence_parallel: bool = False,
-    loss_parallel: bool = False,
-) -> Training:
-    """The planner's view of a strategy's options, as ``HybridFSDPStrategy`` takes them (``cpu_offload`` a bool or
-    an offload policy; ``reshard_after_forward`` a bool or an int): what ``shard_size="auto"`` and the dry run's
-    report plan with."""
-    return Training(
-        precision=precision,
-        workload=workload or Workload(),
-        activation_checkpointing=activation_checkpointing,
-        cpu_offload=_offloads(cpu_offload),
-        reshard_after_forward=None if reshard_after_forward is None else bool(reshard_after_forward),
-        activation_checkpointing_mode=activation_checkpointing_mode,
-        sequence_parallel=sequence_parallel,
-        loss_parallel=loss_parallel,
-    )
-
-
-def _offloads(cpu_offload: Any) -> bool:
+def offloads(cpu_offload: Any) -> bool:
+    """Whether ``HybridFSDPStrategy(cpu_offload=...)`` (a bool or an offload policy) puts the state on CPU."""
     if isinstance(cpu_offload, bool):
         return cpu_offload
     from torch.distributed.fsdp import CPUOffloadPolicy
