@@ -77,11 +77,7 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set size
         before = _status("VmRSS")
         start = time.perf_counter()
-        with fabric.strategy.loss_parallel():  # a no-op unless loss_parallel=True
-            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-            fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(fabric, model, optimizer, tokens)
         return time.perf_counter() - start, _status("VmHWM") - before
 
     warm_up = {name: step(name)[0] for name in VARIANTS}
@@ -99,18 +95,25 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
     return {"warm_up": warm_up, "times": times, "peaks": peaks, "tracked": tracked}
 
 
+def train_step(fabric: Any, model: Any, optimizer: Any, tokens: Any) -> None:
+    """One optimizer step on ``tokens`` (next-token loss; vocabulary-split under ``loss_parallel=True``)."""
+    import torch
+
+    with fabric.strategy.loss_parallel():  # a no-op unless loss_parallel=True
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def tracked_activations(fabric: Any, model: Any, optimizer: Any, tokens: Any) -> int:
     """Activation + temporary bytes at the peak of one step, by torch's ``FSDPMemTracker`` (it follows every
     tensor's storage through the dispatcher, so the allocator's reuse does not blur it; not under compile)."""
-    import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     tracker = FSDPMemTracker(model.module, optimizer.optimizer)  # Fabric's wrappers hold the FSDP module and optimizer
-    with tracker, fabric.strategy.loss_parallel():
-        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+    with tracker:
+        train_step(fabric, model, optimizer, tokens)
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
     return sum(value for kind, value in snapshot.items() if str(getattr(kind, "value", kind)) in ("Activation", "Temp"))
 
