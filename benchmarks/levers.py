@@ -82,6 +82,7 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
 
     warm_up = {name: step(name)[0] for name in VARIANTS}
     tracked = {name: tracked_activations(*setups[name], tokens) for name in VARIANTS if "compile" not in VARIANTS[name]}
+    losses = {name: loss_memory(*setups[name], tokens) for name in VARIANTS if "tp" in VARIANTS[name]}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     peaks: dict[str, list[int]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
@@ -92,7 +93,7 @@ def rank(num_nodes: int, devices: int, rounds: int, steps: int) -> dict[str, Any
                 seconds, peak = step(name)
                 times[name].append(seconds)
                 peaks[name].append(peak)
-    return {"warm_up": warm_up, "times": times, "peaks": peaks, "tracked": tracked}
+    return {"warm_up": warm_up, "times": times, "peaks": peaks, "tracked": tracked, "losses": losses}
 
 
 def train_step(fabric: Any, model: Any, optimizer: Any, tokens: Any) -> None:
@@ -116,6 +117,24 @@ def tracked_activations(fabric: Any, model: Any, optimizer: Any, tokens: Any) ->
         train_step(fabric, model, optimizer, tokens)
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
     return sum(value for kind, value in snapshot.items() if str(getattr(kind, "value", kind)) in ("Activation", "Temp"))
+
+
+def loss_memory(fabric: Any, model: Any, optimizer: Any, tokens: Any) -> dict[str, int]:
+    """What loss parallelism changes, per rank: the bytes of the logits this rank holds, and the peak bytes torch's
+    ``MemTracker`` sees while the loss and its gradient into the logits are computed (the vocabulary-wide
+    temporaries: log-softmax, the gradient), the model's own backward not included."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor import DTensor
+
+    logits = model(tokens[:, :-1])
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    tracker = MemTracker()
+    with tracker, fabric.strategy.loss_parallel():
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        torch.autograd.grad(loss, logits)
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+    return {"logits": local.numel() * local.element_size(), "loss_peak": snapshot["Total"]}
 
 
 def main() -> None:
@@ -159,6 +178,18 @@ def main() -> None:
     print(
         "tracked: activation + temporary bytes at the step's peak (torch's FSDPMemTracker, not under compile);"
         " planned: the planner's activation estimate for the same model, workload and AC mode"
+    )
+    losses = {
+        name: {key: max(v["losses"][name][key] for v in values) for key in ("logits", "loss_peak")}
+        for name in values[0]["losses"]
+    }
+    print(f"\n{'logits per rank':<22}{'logits MiB':>12}{'loss peak MiB':>15}{'x TP 2 + SP':>13}")
+    for name, figures in losses.items():
+        ratio = figures["loss_peak"] / losses["TP 2 + SP"]["loss_peak"]
+        print(f"{name:<22}{figures['logits'] / 2**20:>12.2f}{figures['loss_peak'] / 2**20:>15.2f}{ratio:>13.2f}")
+    print(
+        "logits: the output this rank holds; loss peak: bytes torch's MemTracker sees while the cross-entropy and"
+        " its gradient into the logits are computed (loss parallel: 1/2 of the vocabulary per rank)"
     )
 
 

@@ -93,6 +93,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, lever
             # Llama's norm with sequence_parallel); a new shape recompiles instead (up to dynamo's recompile_limit)
             options.setdefault("dynamic", False)
         levers.compiled = apply_compile(units, options)
+        disable_kv_cache(module, "torch.compile")
     apply_fsdp(module, units, mesh.fsdp, plan)
     return [name for name, _ in units]
 
@@ -162,7 +163,7 @@ def apply_activation_checkpointing(
         else:
             checkpoint(child)
     if checkpointed:
-        _disable_kv_cache(module, checkpointed)
+        disable_kv_cache(module, "activation checkpointing")
         info_on_rank_zero(_logger, "activation checkpointing (%s): %d modules", mode, len(checkpointed))
     return [name for name, _ in checkpointed]
 
@@ -208,10 +209,16 @@ def apply_compile(units: list[tuple[str, nn.Module]], options: dict[str, Any]) -
     return [name for name, _ in units]
 
 
-def _disable_kv_cache(module: nn.Module, checkpointed: list[tuple[str, nn.Module]]) -> None:
-    """Turn off a transformers model's KV cache when layers recompute their forward, as ``gradient_checkpointing``
-    does: the recomputation would append the keys and values to the cache a second time."""
+def disable_kv_cache(module: nn.Module, lever: str) -> None:
+    """Turn off a transformers model's KV cache for training (``config.use_cache=False``), for two levers.
+
+    Activation checkpointing (as transformers' ``gradient_checkpointing`` does): the recomputation would append the
+    keys and values to the cache a second time. Compile: the cache's update is indexed by each layer's
+    ``layer_idx``, which dynamo guards on, so every block recompiles its own graph, and past dynamo's
+    ``recompile_limit`` (8) the remaining blocks run uncompiled (a 12-layer Llama: 8 graphs, 4 blocks eager;
+    with the cache off, 1 graph for all 12). An explicit ``model(..., use_cache=True)`` still uses it.
+    """
     config = getattr(module, "config", None)
-    if checkpointed and getattr(config, "use_cache", False):
+    if getattr(config, "use_cache", False):
         config.use_cache = False
-        info_on_rank_zero(_logger, "activation checkpointing: set %s.config.use_cache=False", type(module).__name__)
+        info_on_rank_zero(_logger, "%s: set %s.config.use_cache=False", lever, type(module).__name__)

@@ -38,11 +38,15 @@ def test_levers_train_like_one_process_and_checkpoint_like_plain(nodes, per_node
     if mesh[0] > 1:
         assert all(result["bugs"] for label, result in facts["parity"].items() if label.startswith("together/"))
     for label, graphs in facts["graphs"].items():
-        # compiled, and never recompiled over the 3 steps (a guard failing each step would show in "recompiles").
-        # The graph count is not bounded here: the launch builds several models (ours, the planted bugs), each with
-        # its own graphs (12 and 16 measured in CI), and one frame of 30 falls back to eager.
+        # Each block is one graph, and the two identical blocks share it: each code object compiles once per grad
+        # mode (the parity check also runs the model under no_grad) and model built (a planted bug's is a second),
+        # whatever the number of blocks. Found: a transformers Llama with its KV cache on recompiled per layer on
+        # `self.layer_idx` (past recompile_limit the rest ran uncompiled); the TP dropout seeding broke every attention
+        # and MLP into 3 more graphs; sequence parallel's first-layer split (weakref, strides) recompiled that layer.
         if "compile" in CONFIGS[mesh][label.split("/")[0]]:
-            assert graphs["unique_graphs"] >= 1 and graphs["recompiles"] == {}, graphs
+            assert graphs["unique_graphs"] >= 1 and graphs["graph_breaks"] == {}, (label, graphs)
+            assert all(reason.endswith("GLOBAL_STATE changed: grad_mode ") for reason in graphs["recompiles"]), graphs
+            assert max(graphs["compiles_per_code"].values()) <= 2 * graphs["models"], (label, graphs)
     for label, result in facts["checkpoint"].items():
         assert result["orig_mod_names"] == [] and result["same_names"], (label, result)
         assert result["differ"] == {} and result["optimizer_steps"] == [1], (label, result)

@@ -13,7 +13,10 @@ Here: :func:`synchronize_random_state` gives the tensor-parallel peers rank 0's 
 region's forward: it draws one number from the shared generator (every peer draws the same, so the shared stream
 advances alike), and runs the region on generators seeded with that number and the peer's tensor-parallel index,
 restoring the shared state afterwards. The region's seed comes from the shared state at its entry, so activation
-checkpointing (which restores that state before recomputing) recomputes the same masks.
+checkpointing (which restores that state before recomputing) recomputes the same masks. Only regions that have
+dropout (:func:`has_dropout`) are wrapped: the wrapper's ``.item()`` and ``fork_rng`` are graph breaks under
+``compile=True`` (a Llama block without dropout compiled to 6 graphs with them, one without), and a region that
+draws nothing needs no generator of its own.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ def seed_split_regions(model: nn.Module, regions: list[str], tensor_rank: int, d
     devices = [device.index or 0] if device.type == "cuda" else []
     for name in regions:
         module = model.get_submodule(name)
+        if not has_dropout(module):
+            continue
         stacks: list[ExitStack] = []
 
         def enter(module: nn.Module, args: Any, stacks: list[ExitStack] = stacks) -> None:
@@ -76,6 +81,18 @@ def seed_split_regions(model: nn.Module, regions: list[str], tensor_rank: int, d
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave, always_call=True)
+
+
+def has_dropout(module: nn.Module) -> bool:
+    """Whether ``module`` may draw dropout masks: it holds an ``nn.Dropout`` (of any kind) with ``p > 0``, or a
+    float attribute named ``*dropout*`` above 0 that its forward passes to ``F.dropout`` or an attention function
+    (transformers' ``attention_dropout``, the example model's ``dropout``)."""
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return True
+        if any("dropout" in key and isinstance(value, float) and value > 0 for key, value in vars(sub).items()):
+            return True
+    return False
 
 
 def synchronize_random_state(mesh: DeviceMesh, device: torch.device) -> None:

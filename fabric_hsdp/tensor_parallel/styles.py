@@ -82,11 +82,13 @@ class SplitSequence(ParallelStyle):
             if parts.get(id(args[0])) is args[0]:  # activation checkpointing recomputes from the split input
                 return None
             whole = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
-            part = whole.redistribute(placements=[Shard(1)]).to_local()
+            part = whole.redistribute(placements=[Shard(1)]).to_local().clone(memory_format=torch.contiguous_format)
             parts[id(part)] = part
             return (part, *args[1:]), kwargs
 
-        module.register_forward_pre_hook(split, with_kwargs=True)
+        # not traced under compile=True (the first layer's hooks run inside its compiled call): dynamo cannot trace
+        # the weak dictionary (graph breaks, and a recompile per model on its keys); run eagerly, one break in one layer
+        module.register_forward_pre_hook(torch.compiler.disable(split), with_kwargs=True)
         return module
 
 

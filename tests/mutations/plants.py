@@ -94,7 +94,7 @@ PLANTS: dict[str, Plant] = {
     "5b": Plant(
         "transformers' KV cache off under activation checkpointing",
         "the use_cache=False fix is not applied",
-        (("        _disable_kv_cache(module, checkpointed)\n", ""),),
+        (('        disable_kv_cache(module, "activation checkpointing")\n', ""),),
         ("tests/test_strategy.py::test_training_matches_single_process[hf-clipvalue-setup-ac]",),
     ),
     "6": Plant(
@@ -238,5 +238,28 @@ PLANTS: dict[str, Plant] = {
         "selective AC saves no op's output (recomputes the matmuls too, like full AC)",
         (("    ops = [getattr(aten, name).default for name in names]\n", "    ops = []\n"),),
         ("tests/test_levers_units.py::test_activation_checkpointing_modes_recompute_what_they_say",),
+    ),
+    "25d": Plant(
+        "compiled transformers blocks share one graph (#25)",
+        "compile leaves transformers' KV cache on (each layer recompiles on its layer_idx)",
+        (('        disable_kv_cache(module, "torch.compile")\n', ""),),
+        ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[1x4-mesh122]",),
+    ),
+    "25e": Plant(
+        "compiled blocks under tensor parallelism are one graph each (#25)",
+        "every split region gets the dropout seeding, with or without dropout (graph breaks in each block)",
+        (("        if not has_dropout(module):\n            continue\n", ""),),
+        ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[1x4-mesh122]",),
+    ),
+    "25f": Plant(
+        "sequence parallel's first-layer split does not break or recompile the compiled layer (#25)",
+        "the split hook is traced by dynamo (weak dictionary: graph breaks)",
+        (
+            (
+                "        module.register_forward_pre_hook(torch.compiler.disable(split), with_kwargs=True)\n",
+                "        module.register_forward_pre_hook(split, with_kwargs=True)\n",
+            ),
+        ),
+        ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),
     ),
 }

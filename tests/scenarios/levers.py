@@ -82,6 +82,23 @@ def checkpoint_round_trip(fabric: Any, fabric_args: tuple[int, int], kind: str, 
     }
 
 
+def compile_counts() -> dict[str, Any]:
+    """What dynamo compiled since its counters were cleared: graphs, graph breaks, the recompiles with their reasons
+    (dynamo's compilation metrics; its ``counters`` have no recompile entry), and how often each code object was
+    compiled (identical blocks share one code object: more compiles of it mean a block got graphs of its own)."""
+    import torch._dynamo
+
+    metrics = [m for m in torch._dynamo.utils.get_compilation_metrics() if m.co_name]
+    per_code = Counter(f"{m.co_name} {m.co_filename}:{m.co_firstlineno}" for m in metrics)
+    return {
+        "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "frames": dict(torch._dynamo.utils.counters["frames"]),
+        "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+        "recompiles": [m.recompile_reason for m in metrics if m.recompile_reason],
+        "compiles_per_code": dict(per_code),
+    }
+
+
 def levers(
     num_nodes: int,
     devices: int,
@@ -103,6 +120,7 @@ def levers(
         for kind in kinds:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
+            torch._dynamo.utils.clear_compilation_metrics()
             fabric = make_fabric(num_nodes, devices, **_strategy_kwargs(kind, config))
             if directory is None:
                 directory = Path(
@@ -111,12 +129,8 @@ def levers(
             options = dict(steps=3, accumulate=2, clip="norm", setup_together=False)
             result = _parity(fabric, kind, bugs=list(bugs) if index == 0 else [], **options)
             facts["parity"][f"{label}/{kind}"] = {key: result[key] for key in ("floor", "ours", "bugs")}
-            stats = torch._dynamo.utils.counters["stats"]
-            facts["graphs"][f"{label}/{kind}"] = {
-                "unique_graphs": stats["unique_graphs"],
-                "frames": dict(torch._dynamo.utils.counters["frames"]),
-                "recompiles": dict(torch._dynamo.utils.counters["recompiles"]),
-            }
+            planted = list(bugs) if index == 0 else []
+            facts["graphs"][f"{label}/{kind}"] = {**compile_counts(), "models": 1 + len(planted)}  # ours + a bug's
             facts["checkpoint"][f"{label}/{kind}"] = checkpoint_round_trip(
                 fabric, (num_nodes, devices), kind, directory / label
             )
