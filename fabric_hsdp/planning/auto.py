@@ -1,9 +1,9 @@
 """The strategy's layout: :class:`StrategyLayout` resolves its topology and mesh, and for ``shard_size="auto"`` plans
 with the real model and the devices' memory first.
 
-At ``setup_module`` an ``"auto"`` layout calls :func:`choose_topology`: :func:`smallest_budget` (the smallest of the
-ranks' budgets: explicit, or the free CUDA memory), then :func:`auto_topology`, so every rank plans with the same
-numbers and picks the same layout. The plan is :func:`~fabric_hsdp.planning.plan.make_plan`'s, the same as
+At ``setup_module`` an ``"auto"`` layout (:meth:`StrategyLayout.choose`) calls :func:`smallest_budget` (the smallest
+of the ranks' budgets: explicit, or the free CUDA memory), then :func:`auto_topology`, so every rank plans with the
+same numbers and picks the same layout. The plan is :func:`~fabric_hsdp.planning.plan.make_plan`'s, the same as
 ``fabric-hsdp plan`` prints; :func:`planner_training` says how the planner sees the strategy's options.
 """
 
@@ -84,19 +84,23 @@ class StrategyLayout:
             self._use(Topology.resolve(self.shard_size, num_nodes, ranks_per_node, world_size, size))
 
     def choose(self, module: Any, tensor_parallel_plan: Any, training: Training) -> None:
-        """``shard_size="auto"``: plan ``module`` and take the recommended layout (:func:`choose_topology`)."""
-        budget, size = self.memory_budget, self.tensor_parallel_size
-        self._use(
-            choose_topology(
+        """``shard_size="auto"``: plan ``module`` with the smallest budget of all ranks and take the recommended
+        layout; every rank makes the same choice (or raises the same error, see :func:`auto_topology`), and rank 0
+        logs it with the plan's table."""
+        from fabric_hsdp.agreement import fail_together
+
+        budget = smallest_budget(self.memory_budget, self._device)  # a collective: before fail_together
+        with fail_together("HybridFSDPStrategy(shard_size='auto')"):
+            topology, plan = auto_topology(
                 module,
                 budget,
-                self._device,
-                tensor_parallel_size=size,
+                tensor_parallel_size=self.tensor_parallel_size,
                 tensor_parallel_plan=tensor_parallel_plan,
                 training=training,
                 **self._cluster,
             )
-        )
+        info_on_rank_zero(_logger, "%s", describe_choice(plan))
+        self._use(topology)
 
     def sampler_kwargs(self, world_size: int, global_rank: int) -> dict[str, int]:
         """``DistributedSampler``'s replicas and rank: FSDP peers and replicas each compute on their own
@@ -171,38 +175,6 @@ def planner_training(precision: str, workload: Workload | None, levers: Levers) 
         sequence_parallel=levers.sequence_parallel,
         loss_parallel=levers.loss_parallel,
     )
-
-
-def choose_topology(
-    module: Any,
-    memory_budget: int | None,
-    device: Any,
-    *,
-    num_nodes: int,
-    ranks_per_node: int,
-    tensor_parallel_size: int,
-    tensor_parallel_plan: Any,
-    training: Training,
-    backend: str | None,
-) -> Topology:
-    """``shard_size="auto"``: plan ``module`` with the smallest budget of all ranks; every rank makes the same choice
-    (or raises the same error, see :func:`auto_topology`), and rank 0 logs it with the plan's table."""
-    from fabric_hsdp.agreement import fail_together
-
-    budget = smallest_budget(memory_budget, device)  # a collective: before fail_together
-    with fail_together("HybridFSDPStrategy(shard_size='auto')"):
-        topology, plan = auto_topology(
-            module,
-            budget,
-            num_nodes=num_nodes,
-            ranks_per_node=ranks_per_node,
-            tensor_parallel_size=tensor_parallel_size,
-            tensor_parallel_plan=tensor_parallel_plan,
-            training=training,
-            backend=backend,
-        )
-    info_on_rank_zero(_logger, "%s", describe_choice(plan))
-    return topology
 
 
 def auto_topology(
