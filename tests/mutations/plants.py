@@ -24,10 +24,10 @@ PLANTS: dict[str, Plant] = {
         "read_local skips every embedding shard whose rows start past 0 (ranks 1 and 3 keep their init)",
         (
             (
-                "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
+                "        rows = local[piece.start : piece.stop]\n",
                 "        if 'embed' in name and piece.offsets[0] > 0:\n"
                 "            continue\n"
-                "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
+                "        rows = local[piece.start : piece.stop]\n",
             ),
         ),
         (
