@@ -183,9 +183,9 @@ PLANTS: dict[str, Plant] = {
         "the strategy's reshard_after_forward never reaches fully_shard",
         (
             (
-                "                reshard_after_forward=self._reshard_after_forward,\n"
-                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
-                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
+                "            reshard_after_forward=levers.reshard_after_forward,\n"
+                "            mp_policy=mixed_precision_policy(precision),\n",
+                "            mp_policy=mixed_precision_policy(precision),\n",
             ),
         ),
         ("tests/test_strategy.py::test_training_matches_single_process[llama-no-reshard]",),
