@@ -36,8 +36,8 @@ plus file pages, e.g. an mmap of the checkpoint) is exact: ``VmHWM`` after writi
 just before the load, minus ``VmRSS`` then; the sampled anon+file+shmem peak is printed next to it to show how
 closely the sampler tracks the true peak. The page cache is dropped before each variant (root only) so reads are
 cold. Every load is checked value-exact against the file afterwards, twice: each rank's local shard against the
-file's box for it (``local_box``), and every tensor gathered whole (``DTensor.full_tensor()``, torch's own
-redistribution, independent of our box arithmetic) against the file's tensor.
+file's box for it (``global_box(tensor).slices()``), and every tensor gathered whole (``DTensor.full_tensor()``,
+torch's own redistribution, independent of our box arithmetic) against the file's tensor.
 
 Targets:
 
@@ -176,13 +176,13 @@ def _check_against_file(path: str, model: Any) -> list[str]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from fabric_hsdp.checkpoint.training.raw_load import local_box
+    from fabric_hsdp.checkpoint.core.boxes import global_box
 
     expected = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
     wrong = []
     for name, tensor in getattr(model, "module", model).state_dict().items():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if name not in expected or not torch.equal(local, expected[name][local_box(tensor)]):
+        if name not in expected or not torch.equal(local, expected[name][global_box(tensor).slices()]):
             wrong.append(name)
     return wrong
 

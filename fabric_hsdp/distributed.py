@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,46 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+from fabric_hsdp.launchers import describe_launch
+from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
+
+if TYPE_CHECKING:
+    from fabric_hsdp.launchers import Launcher
+
+_logger = logging.getLogger(__name__)
+
+
+def start_processes(
+    environment: ClusterEnvironment,
+    launched_by: Launcher,
+    device: torch.device,
+    *,
+    num_nodes: int,
+    ranks_per_node: int,
+    backend: str | None,
+    timeout: timedelta | None,
+    cpu_offload: bool | Any = False,
+) -> str:
+    """Initialise the process group (:func:`init_process_group`), log how the job was launched, and check that every
+    rank sits where the launcher's layout says (one error on every rank otherwise). Returns the backend used."""
+    node_rank, local_rank = environment.node_rank(), environment.local_rank()
+    backend = init_process_group(
+        environment,
+        node_rank=node_rank,
+        local_rank=local_rank,
+        ranks_per_node=ranks_per_node,
+        num_nodes=num_nodes,
+        device=device,
+        backend=backend,
+        timeout=timeout,
+        cpu_offload=cpu_offload,
+    )
+    info_on_rank_zero(_logger, "%s", describe_launch(launched_by, environment))
+    placements = gather_placements(environment.global_rank(), node_rank, local_rank)
+    check_rank_layout(placements, ranks_per_node, launched_by)
+    return backend
 
 
 def init_process_group(

@@ -1,5 +1,6 @@
 """The setup pipeline, one step per lever, in torchtitan's order (``parallelize_llama``): float8 -> tensor parallelism
--> activation checkpointing -> compile -> ``fully_shard``.
+-> activation checkpointing -> compile -> ``fully_shard``; and :func:`set_up_module`, all of ``fabric.setup_module``
+(the pipeline, then the local shards made real, replicas made identical and tensor parallelism finished).
 
 Each step takes the module and the sub-mesh it needs (tensor parallelism the ``tensor`` mesh, FSDP the
 ``(replicate, shard)`` mesh) and changes the model in place; parameter and state-dict names stay what the user's
@@ -10,6 +11,7 @@ wrapper), so checkpoints saved with any lever load without it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -17,13 +19,25 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from fabric_hsdp.float8 import Float8Spec, apply_float8
+from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.float8 import Float8Spec, apply_float8, validate_float8
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.sharding import ShardingPlan, apply_fsdp, sharded_units
+from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards
+from fabric_hsdp.sharding import (
+    ModulePolicy,
+    ShardingPlan,
+    apply_fsdp,
+    is_sharded,
+    mixed_precision_policy,
+    module_matcher,
+    offload_policy,
+    sharded_units,
+)
+from fabric_hsdp.topology import validate_tensor_parallel_size
 
 if TYPE_CHECKING:
     from fabric_hsdp.tensor_parallel import AppliedPlan, TensorParallelPlan
-    from fabric_hsdp.topology import ParallelMesh
+    from fabric_hsdp.topology import ParallelMesh, Topology
 
 _logger = logging.getLogger(__name__)
 
@@ -52,8 +66,11 @@ def validate_compile(spec: CompileSpec) -> CompileSpec:
 
 @dataclass
 class Levers:
-    """What the strategy's arguments ask of the setup, besides the FSDP plan."""
+    """What the strategy's arguments ask of the setup: the FSDP units and options, and every lever."""
 
+    sharded_modules: Callable[[str, nn.Module], bool] | None = None  # None: the layers of the model's ModuleLists
+    reshard_after_forward: bool | int | None = None
+    cpu_offload: bool | Any = False
     tensor_parallel_plan: TensorParallelPlan = "auto"
     activation_checkpointing: Callable[[str, nn.Module], bool] | None = None
     activation_checkpointing_mode: ActivationCheckpointingMode = "full"
@@ -64,6 +81,75 @@ class Levers:
     largest_tensor_parallel_size: int | None = None  # the sizes tensor-parallel errors suggest divide it
     compiled: list[str] = field(default_factory=list)  # filled in by the setup: the modules compiled
     tensor_parallel: AppliedPlan | None = None  # filled in by the setup: what the tensor-parallel step did
+
+
+def levers_of(
+    *,
+    sharded_modules: ModulePolicy | None,
+    reshard_after_forward: bool | int | None,
+    cpu_offload: bool | Any,
+    tensor_parallel_size: int,
+    tensor_parallel_plan: TensorParallelPlan,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    activation_checkpointing: ModulePolicy | None,
+    activation_checkpointing_mode: ActivationCheckpointingMode,
+    compile: CompileSpec,
+    float8: bool | str,
+) -> Levers:
+    """``HybridFSDPStrategy``'s setup arguments, validated (each error names the argument and what would do)."""
+    from fabric_hsdp.tensor_parallel import validate_levers, validate_plan
+
+    levers = Levers(
+        sharded_modules=module_matcher(sharded_modules, "sharded_modules"),
+        reshard_after_forward=reshard_after_forward,
+        cpu_offload=cpu_offload,
+        activation_checkpointing=module_matcher(activation_checkpointing, "activation_checkpointing"),
+        tensor_parallel_plan=validate_plan(tensor_parallel_plan),
+        activation_checkpointing_mode=validate_activation_checkpointing_mode(activation_checkpointing_mode),
+        compile=validate_compile(compile),
+        float8=validate_float8(float8),
+    )
+    validate_levers(sequence_parallel, loss_parallel, validate_tensor_parallel_size(tensor_parallel_size))
+    levers.sequence_parallel, levers.loss_parallel = sequence_parallel, loss_parallel
+    return levers
+
+
+def set_up_module(
+    module: nn.Module,
+    mesh: ParallelMesh,
+    topology: Topology,
+    levers: Levers,
+    *,
+    precision: str,
+    device: torch.device,
+    global_rank: int,
+) -> nn.Module:
+    """``fabric.setup_module``'s work on every rank: apply the levers and shard ``module`` in place (every rank
+    agreeing it could), then make its local shards real, its replicas identical, and finish tensor parallelism."""
+    with fail_together("HybridFSDPStrategy.setup_module"):
+        if is_sharded(module):
+            raise ValueError(
+                f"{type(module).__name__} was already sharded with fully_shard. Pass the plain model to"
+                " fabric.setup_module(model); HybridFSDPStrategy applies fully_shard itself."
+            )
+        sharding = ShardingPlan(
+            sharded_modules=levers.sharded_modules,
+            reshard_after_forward=levers.reshard_after_forward,
+            mp_policy=mixed_precision_policy(precision),
+            offload_policy=offload_policy(levers.cpu_offload, device),
+        )
+        # the sizes tensor-parallel errors may suggest: those dividing a node and the shard group
+        levers.largest_tensor_parallel_size = math.gcd(topology.ranks_per_node, topology.shard_size)
+        parallelize(module, mesh, sharding, levers)  # float8 -> TP -> AC -> compile -> fully_shard
+    # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
+    materialize_local_shards(module, device, topology.position_in_copy(global_rank))
+    make_replicas_identical(module, mesh)
+    if mesh.tensor is not None:
+        from fabric_hsdp.tensor_parallel import finish_tensor_parallel
+
+        finish_tensor_parallel(module, levers.tensor_parallel, mesh.tensor, device)
+    return module
 
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, levers: Levers) -> list[str]:

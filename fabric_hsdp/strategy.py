@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import logging
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -28,42 +26,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric_hsdp import distributed
-from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
-from fabric_hsdp.float8 import validate_float8
 from fabric_hsdp.gradients import clip_grad_norm
-from fabric_hsdp.launchers import check_launch, describe_launch, detect_launcher, environment_for
-from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards, parameters_on_meta
-from fabric_hsdp.parallelize import Levers, parallelize, validate_activation_checkpointing_mode, validate_compile
-from fabric_hsdp.planning.auto import auto_topology, check_memory_budget, describe_choice, offloads, smallest_budget
+from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for
+from fabric_hsdp.materialize import parameters_on_meta
+from fabric_hsdp.parallelize import levers_of, set_up_module
+from fabric_hsdp.planning import auto
 from fabric_hsdp.planning.memory import Training, Workload
-from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
-from fabric_hsdp.sharding import (
-    ModulePolicy,
-    ShardingPlan,
-    check_optimizer_is_sharded,
-    is_sharded,
-    mixed_precision_policy,
-    module_matcher,
-    offload_policy,
-    parameter_names,
-    repoint_optimizers,
-)
+from fabric_hsdp.sharding import ModulePolicy, check_optimizer_is_sharded, parameter_names, repoint_optimizers
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
-from fabric_hsdp.tensor_parallel import (
-    TensorParallelPlan,
-    finish_tensor_parallel,
-    loss_parallel,
-    module_layout,
-    validate_plan,
-)
-from fabric_hsdp.tensor_parallel import validate_levers as validate_tensor_parallel_levers
-from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology, validate_shard_size, validate_tensor_parallel_size
-
-_logger = logging.getLogger(__name__)
+from fabric_hsdp.tensor_parallel import TensorParallelPlan, loss_parallel, module_layout
+from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology
 
 
 class HybridFSDPStrategy(ParallelStrategy):
@@ -204,23 +179,20 @@ class HybridFSDPStrategy(ParallelStrategy):
             cluster_environment=cluster_environment or environment_for(self._launched_by),
             precision=precision,
         )
-        self._sharded_modules = module_matcher(sharded_modules, "sharded_modules")
-        self._activation_checkpointing = module_matcher(activation_checkpointing, "activation_checkpointing")
-        self._levers = Levers(
-            tensor_parallel_plan=validate_plan(tensor_parallel_plan),
-            activation_checkpointing=self._activation_checkpointing,
-            activation_checkpointing_mode=validate_activation_checkpointing_mode(activation_checkpointing_mode),
-            compile=validate_compile(compile),
-            float8=validate_float8(float8),
+        self._levers = levers_of(
+            sharded_modules=sharded_modules,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_plan=tensor_parallel_plan,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_mode=activation_checkpointing_mode,
+            compile=compile,
+            float8=float8,
         )
-        self._shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
-        self._memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
-        self._workload = workload
-        self._tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
-        validate_tensor_parallel_levers(sequence_parallel, loss_parallel, self._tensor_parallel_size)
-        self._levers.sequence_parallel, self._levers.loss_parallel = sequence_parallel, loss_parallel
-        self._reshard_after_forward = reshard_after_forward
-        self._cpu_offload = cpu_offload
+        self._layout = auto.StrategyLayout(shard_size, tensor_parallel_size, memory_budget, workload)
         self._checkpoints = Checkpointer(
             state_dict_type=state_dict_type,
             async_save=async_save,
@@ -233,8 +205,6 @@ class HybridFSDPStrategy(ParallelStrategy):
         self._timeout = timeout
         self._num_nodes = 1
         self._backward_sync_control = _ParallelBackwardSyncControl()
-        self._topology: Topology | None = None
-        self._mesh: ParallelMesh | None = None
         self._sharded = ShardedModuleRegistry()
 
     @property
@@ -247,22 +217,12 @@ class HybridFSDPStrategy(ParallelStrategy):
     def parallel_mesh(self) -> ParallelMesh:
         """The mesh and its sub-meshes by purpose (``fsdp``, ``tensor``, ``replicate``); exists once the processes
         are set up."""
-        if self._mesh is None:
-            raise RuntimeError(
-                "the device mesh exists only after fabric.launch() (or `fabric run`) set up the ranks, and with"
-                " shard_size='auto' after fabric.setup_module(model)"
-            )
-        return self._mesh
+        return self._layout.mesh
 
     @property
     def topology(self) -> Topology:
         """Degrees of the mesh (``shard_size``, ``replicate_size``, nodes, ranks per node) and this rank's place."""
-        if self._topology is None:
-            raise RuntimeError(
-                "the topology exists only after fabric.launch() (or `fabric run`) set up the ranks, and with"
-                " shard_size='auto' after fabric.setup_module(model)"
-            )
-        return self._topology
+        return self._layout.topology
 
     @property
     @override
@@ -296,12 +256,7 @@ class HybridFSDPStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Replicas and FSDP shard peers each compute on their own micro-batch; tensor-parallel peers share one.
-        if self._topology is None and self._shard_size == "auto":  # not chosen yet; these depend on T only
-            tensor = self._tensor_parallel_size
-            return {"num_replicas": self.world_size // tensor, "rank": self.global_rank // tensor}
-        topology = self.topology
-        return {"num_replicas": topology.data_parallel_size, "rank": topology.data_parallel_rank(self.global_rank)}
+        return self._layout.sampler_kwargs(self.world_size, self.global_rank)
 
     @property
     def process_group_backend(self) -> str | None:
@@ -319,91 +274,43 @@ class HybridFSDPStrategy(ParallelStrategy):
         if self.cluster_environment is None:
             raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
         check_launch(self._launched_by, self.cluster_environment, self.num_nodes, self.num_processes, self.local_rank)
-        check_memory_budget(self._shard_size, self._memory_budget, self.root_device.type)
+        self._layout.check_device(self.root_device.type)
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
-        self._process_group_backend = distributed.init_process_group(
+        self._process_group_backend = distributed.start_processes(
             self.cluster_environment,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            ranks_per_node=self.num_processes,
+            self._launched_by,
+            self.root_device,
             num_nodes=self.num_nodes,
-            device=self.root_device,
+            ranks_per_node=self.num_processes,
             backend=self._process_group_backend,
             timeout=self._timeout,
-            cpu_offload=self._cpu_offload,
+            cpu_offload=self._levers.cpu_offload,
         )
-        info_on_rank_zero(_logger, "%s", describe_launch(self._launched_by, self.cluster_environment))
-        placements = gather_placements(self.global_rank, self.node_rank, self.local_rank)
-        check_rank_layout(placements, self.num_processes, self._launched_by)
-        if self._shard_size != "auto":  # "auto" needs the model: setup_module chooses
-            self._topology = Topology.resolve(
-                self._shard_size, self.num_nodes, self.num_processes, self.world_size, self._tensor_parallel_size
-            )
-            self._mesh = self._topology.build_mesh(self.root_device.type)
-            info_on_rank_zero(_logger, "%s", self._topology.describe())
+        backend, ranks_per_node = self._process_group_backend, self.num_processes
+        self._layout.set_up(self.num_nodes, ranks_per_node, self.world_size, self.root_device, backend)
         self._checkpoints.set_up(self._timeout)
         atexit.register(self._end_of_process)
 
     @override
     def setup_module(self, module: Module) -> Module:
-        if self._topology is None:
-            self._choose_layout(module)
-        with fail_together("HybridFSDPStrategy.setup_module"):
-            if is_sharded(module):
-                raise ValueError(
-                    f"{type(module).__name__} was already sharded with fully_shard. Pass the plain model to"
-                    " fabric.setup_module(model); HybridFSDPStrategy applies fully_shard itself."
-                )
-            plan = ShardingPlan(
-                sharded_modules=self._sharded_modules,
-                reshard_after_forward=self._reshard_after_forward,
-                mp_policy=mixed_precision_policy(self.precision_name),
-                offload_policy=offload_policy(self._cpu_offload, self.root_device),
-            )
-            mesh, topology = self.parallel_mesh, self.topology
-            # the sizes tensor-parallel errors may suggest: those dividing a node and the shard group
-            self._levers.largest_tensor_parallel_size = math.gcd(topology.ranks_per_node, topology.shard_size)
-            parallelize(module, mesh, plan, self._levers)  # float8 -> TP -> AC -> compile -> fully_shard
-        # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
-        materialize_local_shards(module, self.root_device, self.topology.position_in_copy(self.global_rank))
-        make_replicas_identical(module, mesh)
-        if mesh.tensor is not None:
-            finish_tensor_parallel(module, self._levers.tensor_parallel, mesh.tensor, self.root_device)
+        if not self._layout.resolved:  # shard_size="auto": plan the model (every rank, the same choice)
+            self._layout.choose(module, self._levers.tensor_parallel_plan, self.planner_training(self._layout.workload))
+        set_up_module(
+            module,
+            self.parallel_mesh,
+            self.topology,
+            self._levers,
+            precision=self.precision_name,
+            device=self.root_device,
+            global_rank=self.global_rank,
+        )
         self._sharded.add(module)
         return module
-
-    def _choose_layout(self, module: Module) -> None:
-        """``shard_size="auto"``: plan ``module``, resolve the topology, build the mesh (every rank, same choice)."""
-        budget = smallest_budget(self._memory_budget, self.root_device)  # a collective: before fail_together
-        with fail_together("HybridFSDPStrategy(shard_size='auto')"):
-            self._topology, layout_plan = auto_topology(
-                module,
-                budget,
-                num_nodes=self.num_nodes,
-                ranks_per_node=self.num_processes,
-                tensor_parallel_size=self._tensor_parallel_size,
-                tensor_parallel_plan=self._levers.tensor_parallel_plan,
-                training=self.planner_training(self._workload),
-                backend=self._process_group_backend,
-            )
-        self._mesh = self._topology.build_mesh(self.root_device.type)
-        info_on_rank_zero(_logger, "%s", describe_choice(layout_plan))
-        info_on_rank_zero(_logger, "%s", self._topology.describe())
 
     def planner_training(self, workload: Workload | None = None) -> Training:
         """How the planner sees this strategy's training (precision, levers, offload) for ``workload``: what
         ``shard_size="auto"`` chooses with and the dry run's report compares against."""
-        raf = self._reshard_after_forward
-        return Training(
-            precision=self.precision_name,
-            workload=workload or Workload(),
-            activation_checkpointing=self._activation_checkpointing is not None,
-            activation_checkpointing_mode=self._levers.activation_checkpointing_mode,
-            cpu_offload=offloads(self._cpu_offload),
-            reshard_after_forward=None if raf is None else bool(raf),
-            sequence_parallel=self._levers.sequence_parallel,
-            loss_parallel=self._levers.loss_parallel,
-        )
+        return auto.planner_training(self.precision_name, workload, self._levers)
 
     @override
     def setup_module_and_optimizers(
@@ -529,9 +436,8 @@ class HybridFSDPStrategy(ParallelStrategy):
                 " fabric.load(path, {'model': model, 'optimizer': optimizer}) or fabric.load_raw(path, model)."
             )
         path = Path(self.broadcast(Path(path).absolute()))
-        mesh, ranks = self._mesh, {"local_rank": self.local_rank, "ranks_per_node": self.num_processes}
         with module_layout():
-            return self._checkpoints.load(path, state, strict=strict, weights_only=weights_only, mesh=mesh, **ranks)
+            return self._checkpoints.load(path, state, strict=strict, weights_only=weights_only, **self._place())
 
     def load_raw(
         self,
@@ -556,17 +462,13 @@ class HybridFSDPStrategy(ParallelStrategy):
             load_mode: Overrides the strategy's ``load_mode`` for this call.
             weights_only: Unpickle with torch's safe loader; ``False`` only for trusted files.
         """
-        ranks = {"local_rank": self.local_rank, "ranks_per_node": self.num_processes, "mesh": self._mesh}
+        options = {"strict": strict, "weights_only": weights_only, "key_map": key_map, "load_mode": load_mode}
         with module_layout():
-            return self._checkpoints.load_raw(
-                Path(path),
-                module,
-                strict=strict,
-                weights_only=weights_only,
-                key_map=key_map,
-                load_mode=load_mode,
-                **ranks,
-            )
+            return self._checkpoints.load_raw(Path(path), module, **options, **self._place())
+
+    def _place(self) -> dict[str, Any]:
+        """What loads need of this rank's place: its local rank, the ranks per node, the mesh (once built)."""
+        return {"local_rank": self.local_rank, "ranks_per_node": self.num_processes, "mesh": self._layout.mesh_if_built}
 
     @override
     def teardown(self) -> None:

@@ -73,21 +73,21 @@ def full_save_record(path: Path, state: dict[str, Any], rank: int) -> SaveRecord
 
 def _expected_share(tree: Any, rank: int) -> int:
     """Bytes this rank writes once DCP spreads each chunk's writes over the ranks holding it."""
+    from fabric_hsdp.checkpoint.core.tree import tree_leaves
+
+    return sum(_tensor_share(leaf) for _, leaf in tree_leaves(tree, torch.Tensor))
+
+
+def _tensor_share(tensor: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
-    if isinstance(tree, dict):
-        return sum(_expected_share(value, rank) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_expected_share(value, rank) for value in tree)
-    if isinstance(tree, DTensor):
-        local = tree.to_local()
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
         holders = 1
-        for dim, placement in enumerate(tree.placements):
+        for dim, placement in enumerate(tensor.placements):
             if placement.is_replicate():
-                holders *= tree.device_mesh.size(dim)
+                holders *= tensor.device_mesh.size(dim)
         return local.numel() * local.element_size() // holders
-    if isinstance(tree, torch.Tensor):  # e.g. AdamW's step counters: the same on every rank
-        import torch.distributed as dist
+    import torch.distributed as dist  # a plain tensor, e.g. AdamW's step counters: the same on every rank
 
-        return tree.numel() * tree.element_size() // max(1, dist.get_world_size())
-    return 0
+    return tensor.numel() * tensor.element_size() // max(1, dist.get_world_size())

@@ -24,10 +24,10 @@ PLANTS: dict[str, Plant] = {
         "read_local skips every embedding shard whose rows start past 0 (ranks 1 and 3 keep their init)",
         (
             (
-                "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
+                "        rows = local[piece.start : piece.stop]\n",
                 "        if 'embed' in name and piece.offsets[0] > 0:\n"
                 "            continue\n"
-                "        sizes = [piece.stop - piece.start, *local.shape[1:]]\n",
+                "        rows = local[piece.start : piece.stop]\n",
             ),
         ),
         (
@@ -183,9 +183,9 @@ PLANTS: dict[str, Plant] = {
         "the strategy's reshard_after_forward never reaches fully_shard",
         (
             (
-                "                reshard_after_forward=self._reshard_after_forward,\n"
-                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
-                "                mp_policy=mixed_precision_policy(self.precision_name),\n",
+                "            reshard_after_forward=levers.reshard_after_forward,\n"
+                "            mp_policy=mixed_precision_policy(precision),\n",
+                "            mp_policy=mixed_precision_policy(precision),\n",
             ),
         ),
         ("tests/test_strategy.py::test_training_matches_single_process[llama-no-reshard]",),

@@ -8,7 +8,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-import fabric_hsdp.strategy
+import fabric_hsdp.parallelize
 from tests.scenarios.common import VOCAB, hf_config, make_fabric
 
 
@@ -19,7 +19,7 @@ def seeding_on_offloaded_shards(num_nodes: int, devices: int) -> dict[str, Any]:
     the model copy by where its shard lives.
     """
     fabric = make_fabric(num_nodes, devices, sharded_modules={nn.Linear})
-    materialize, to_empty = fabric_hsdp.strategy.materialize_local_shards, nn.Module.to_empty
+    materialize, to_empty = fabric_hsdp.parallelize.materialize_local_shards, nn.Module.to_empty
 
     def materialize_as_on_cuda(module: nn.Module, device: torch.device, position: int) -> None:
         materialize(module, torch.device("cuda"), position)
@@ -31,7 +31,7 @@ def seeding_on_offloaded_shards(num_nodes: int, devices: int) -> dict[str, Any]:
     with fabric.init_module(empty_init=True):
         model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64))
     with (
-        mock.patch.object(fabric_hsdp.strategy, "materialize_local_shards", materialize_as_on_cuda),
+        mock.patch.object(fabric_hsdp.parallelize, "materialize_local_shards", materialize_as_on_cuda),
         mock.patch.object(nn.Module, "to_empty", to_empty_in_cpu_memory),
     ):
         model = fabric.setup_module(model)

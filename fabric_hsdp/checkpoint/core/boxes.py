@@ -1,4 +1,5 @@
-"""A rank's local tensor as the boxes of the *stored* tensor it holds, for data that is not one DTensor box.
+"""A rank's local tensor as the boxes (:class:`~fabric_hsdp.checkpoint.core.box.Box`) of the *stored* tensor it
+holds, for data that is not one DTensor box.
 
 DCP knows a DTensor's local shard as one box of the global tensor. Two cases need more:
 
@@ -16,7 +17,7 @@ deduplicates replicas. DCP's default planners look objects up by type, so the pl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
+from fabric_hsdp.checkpoint.core.box import Box
+from fabric_hsdp.checkpoint.core.tree import item_at, map_tree, tree_leaves
 from fabric_hsdp.tensor_parallel.fused_rows import FusedRows
 
 
@@ -36,16 +39,20 @@ class Piece:
     stop: int
     offsets: tuple[int, ...]
 
+    def box(self, local_shape: Sequence[int]) -> Box:
+        """The box of the stored tensor these rows hold, for a local tensor of ``local_shape``."""
+        return Box(self.offsets, (self.stop - self.start, *local_shape[1:]) if len(local_shape) else ())
 
-def global_box(tensor: torch.Tensor) -> tuple[list[int], list[int]]:
-    """``(offsets, sizes)`` of this rank's local shard of ``tensor`` in the global tensor (all of it if plain)."""
+
+def global_box(tensor: torch.Tensor) -> Box:
+    """The box this rank's local shard of ``tensor`` is of the global tensor (all of it if plain)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(tensor, DTensor):
-        return [0] * tensor.ndim, list(tensor.shape)
+        return Box((0,) * tensor.ndim, tuple(tensor.shape))
     sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return list(offsets), list(sizes)
+    return Box(tuple(offsets), tuple(sizes))
 
 
 def pieces_of(tensor: torch.Tensor, fused: FusedRows | None, rows: tuple[int, int] | None = None) -> list[Piece]:
@@ -53,7 +60,8 @@ def pieces_of(tensor: torch.Tensor, fused: FusedRows | None, rows: tuple[int, in
 
     ``fused``: how tensor parallelism regrouped the tensor's rows (``None``: the global tensor is the stored one).
     """
-    offsets, sizes = global_box(tensor)
+    box = global_box(tensor)
+    offsets, sizes = box.offsets, box.sizes
     start, stop = rows if rows is not None else (0, sizes[0] if sizes else 1)
     if not offsets:  # a scalar
         return [Piece(0, 1, ())]
@@ -84,7 +92,7 @@ class StoredBoxes:
         return self._size
 
     def _sizes(self, piece: Piece) -> torch.Size:
-        return torch.Size([piece.stop - piece.start, *self.local.shape[1:]]) if self.local.ndim else torch.Size()
+        return torch.Size(piece.box(self.local.shape).sizes)
 
     def _rows(self, piece: Piece) -> torch.Tensor:
         return self.local[piece.start : piece.stop] if self.local.ndim else self.local
@@ -144,14 +152,7 @@ def lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
 
 def stored_boxes_in(tree: Any) -> list[tuple[Any, Any, StoredBoxes]]:
     """``(container, key, value)`` of every :class:`StoredBoxes` in nested dicts and lists."""
-    found: list[tuple[Any, Any, StoredBoxes]] = []
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
-    for key, value in items:
-        if isinstance(value, StoredBoxes):
-            found.append((tree, key, value))
-        else:
-            found.extend(stored_boxes_in(value))
-    return found
+    return [(item_at(tree, path[:-1]), path[-1], boxes) for path, boxes in tree_leaves(tree, StoredBoxes)]
 
 
 @dataclass
@@ -180,24 +181,19 @@ def dcp_view(
     ``state[fqn][name]`` (``None`` for others). Containers are copied, tensors are not: the replacements share memory
     with the originals.
     """
-    replaced: list[Replaced] = []
+    found: list[tuple[tuple, torch.Tensor, StoredBoxes]] = []
 
-    def visit(node: Any, path: tuple) -> Any:
-        if isinstance(node, dict):
-            copy = {}
-            for key, value in node.items():
-                copy[key] = visit(value, path + (key,))
-                if isinstance(value, torch.Tensor):
-                    boxes = replace(_param_of(path + (key,)), value)
-                    if boxes is not None:
-                        copy[key] = boxes
-                        replaced.append(Replaced(copy, key, value, boxes))
-            return copy
-        if isinstance(node, list):
-            return [visit(value, path + (i,)) for i, value in enumerate(node)]
-        return node
+    def visit(tensor: torch.Tensor, path: tuple) -> Any:
+        if len(path) < 2 or not isinstance(item_at(state, path[:-1]), dict):  # top level, or in a list: as it is
+            return tensor
+        boxes = replace(_param_of(path), tensor)
+        if boxes is None:
+            return tensor
+        found.append((path, tensor, boxes))
+        return boxes
 
-    return {key: visit(value, (key,)) for key, value in state.items()}, replaced
+    view = dict(map_tree(state, visit, torch.Tensor))
+    return view, [Replaced(item_at(view, path[:-1]), path[-1], tensor, boxes) for path, tensor, boxes in found]
 
 
 def _param_of(path: tuple) -> str | None:

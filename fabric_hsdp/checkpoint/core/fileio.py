@@ -19,12 +19,15 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from fabric_hsdp.checkpoint.core.box import Box
 
 # Reads are issued in pieces of this size (each one reported to the I/O watchdog); short reads are retried.
 _READ_PIECE = 64 << 20
@@ -139,57 +142,30 @@ class ScratchBuffer:
         return raw.view(dtype).view(tuple(shape))
 
 
-def normalize_index(index: tuple[slice, ...], shape: Sequence[int], name: str) -> list[tuple[int, int]]:
-    """Turn a tuple of unit-step slices into ``(start, stop)`` per dimension (missing trailing dims = full)."""
-    if not isinstance(index, tuple):
-        index = (index,)
-    if len(index) > len(shape):
-        raise ValueError(f"index {index} has {len(index)} entries but tensor '{name}' has shape {list(shape)}")
-    box = []
-    for dim, size in enumerate(shape):
-        item = index[dim] if dim < len(index) else slice(None)
-        if not isinstance(item, slice):
-            raise TypeError(f"read_slice('{name}', ...) takes a tuple of slices, got {item!r} at dim {dim}")
-        start, stop, step = item.indices(size)
-        if step != 1:
-            raise ValueError(f"read_slice('{name}', ...) supports unit steps only, got step {step} at dim {dim}")
-        box.append((start, max(start, stop)))
-    return box
-
-
 def read_box(
-    fd: int,
-    offset: int,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    index: tuple[slice, ...],
-    *,
-    name: str,
-    file_name: str,
+    fd: int, offset: int, shape: Sequence[int], dtype: torch.dtype, box: Box, *, file_name: str
 ) -> torch.Tensor:
-    """Read only the box ``index`` of a row-major tensor stored at ``offset``; returns a new contiguous tensor.
+    """Read only ``box`` of a row-major tensor of ``shape`` stored at ``offset``; returns a new contiguous tensor.
 
     A box of whole rows is one positioned read. A box of whole inner rows but some columns of dim 1 (what a
     column-split weight holds) is one positioned read per row, of exactly the box's bytes. Any other box is assembled
     from blocks of whole rows of at most 64 MiB each, so memory stays at the box plus one block.
     """
-    box = normalize_index(index, shape, name)
-    box_shape = [stop - start for start, stop in box]
     if len(shape) == 0:
         return read_tensor(fd, offset, (), dtype, file_name=file_name)
     itemsize = dtype.itemsize
     row_bytes = math.prod(shape[1:]) * itemsize
-    first_row, last_row = box[0]
-    out = torch.empty(box_shape, dtype=dtype)
+    first_row, last_row = box.offsets[0], box.stops[0]
+    out = torch.empty(box.sizes, dtype=dtype)
     if out.numel() == 0:
         return out
-    inner = tuple(slice(start, stop) for start, stop in box[1:])
-    if all(stop - start == size for (start, stop), size in zip(box[1:], shape[1:])):
+    inner = box.slices()[1:]
+    if tuple(box.sizes[1:]) == tuple(shape[1:]):
         readinto(fd, out, offset + first_row * row_bytes, file_name=file_name)
         return out
-    if all(stop - start == size for (start, stop), size in zip(box[2:], shape[2:])):
+    if tuple(box.sizes[2:]) == tuple(shape[2:]):
         column_bytes = math.prod(shape[2:]) * itemsize
-        first_column = offset + box[1][0] * column_bytes
+        first_column = offset + box.offsets[1] * column_bytes
         for row in range(first_row, last_row):
             readinto(fd, out[row - first_row], first_column + row * row_bytes, file_name=file_name)
         return out

@@ -22,10 +22,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from fabric_hsdp.checkpoint.core import fileio
+from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.core.dcp_errors import single_process_dcp
 from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.core.tree import map_tree
 from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader, read_dcp_box
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
@@ -80,11 +81,11 @@ class DCPSource(CheckpointSource):
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         info = self._info(name)
-        box = fileio.normalize_index(index, info.shape, name)
-        target = torch.empty([stop - start for start, stop in box], dtype=info.dtype)
+        box = Box.of_index(index, info.shape, name)
+        target = torch.empty(box.sizes, dtype=info.dtype)
         if target.numel():
             with single_process_dcp():
-                read_dcp_box(self._reader, self._fqns[name], [start for start, _ in box], target)
+                read_dcp_box(self._reader, self._fqns[name], box.offsets, target)
         return target
 
     def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
@@ -105,20 +106,15 @@ class DCPSource(CheckpointSource):
         if byte_fqns:
             _load(dict.fromkeys(byte_fqns), self._reader, planner)
 
-        def convert(node: Any, path: tuple) -> Any:
-            if isinstance(node, dcp_metadata.TensorStorageMetadata):
-                fqn = self._fqn_of_path[path]
-                load = functools.partial(self._read_fqn, fqn)
-                return LazyTensor(fqn, node.size, node.properties.dtype, load, load)
-            if isinstance(node, dcp_metadata.BytesStorageMetadata):
-                return planner.loaded[self._fqn_of_path[path]]
-            if isinstance(node, dict):
-                return {key: convert(value, (*path, key)) for key, value in node.items()}
-            if isinstance(node, list):
-                return [convert(value, (*path, i)) for i, value in enumerate(node)]
-            return node
+        def convert(entry: Any, path: tuple) -> Any:
+            fqn = self._fqn_of_path[path]
+            if isinstance(entry, dcp_metadata.BytesStorageMetadata):
+                return planner.loaded[fqn]
+            load = functools.partial(self._read_fqn, fqn)
+            return LazyTensor(fqn, entry.size, entry.properties.dtype, load, load)
 
-        extras = {key: convert(value, (key,)) for key, value in self._extras_skeleton.items()}
+        entries = (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)
+        extras = dict(map_tree(self._extras_skeleton, convert, entries))
         meta_file = self.path / META_FILE
         if meta_file.is_file():
             try:

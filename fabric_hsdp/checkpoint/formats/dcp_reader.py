@@ -12,6 +12,7 @@ import io
 import math
 import os
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from fabric_hsdp.checkpoint.core import fileio, watchdog
+from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.errors import CheckpointError
 
 
@@ -87,9 +89,8 @@ class OneCopyReader(FileSystemReader):
                 first = offsets[0] * math.prod(shape[1:]) if shape else 0
                 fileio.readinto(fd, target, base + first * stored.element_size(), file_name=file_name)
             else:  # another box, device or dtype: through a CPU buffer of the box
-                box = tuple(slice(offset, offset + length) for offset, length in zip(offsets, lengths))
-                fqn = item.storage_index.fqn
-                target.copy_(fileio.read_box(fd, base, shape, stored.dtype, box, name=fqn, file_name=file_name))
+                box = Box(tuple(offsets), tuple(lengths))
+                target.copy_(fileio.read_box(fd, base, shape, stored.dtype, box, file_name=file_name))
         else:
             nbytes = stored.untyped_storage().nbytes()
             raw = fileio.read_tensor(fd, start, [nbytes], torch.uint8, file_name=file_name)
@@ -119,7 +120,7 @@ class _BoxPlanner(DefaultLoadPlanner):
         pass
 
 
-def read_dcp_box(reader: OneCopyReader, fqn: str, offsets: list[int], target: torch.Tensor) -> torch.Tensor:
+def read_dcp_box(reader: OneCopyReader, fqn: str, offsets: Sequence[int], target: torch.Tensor) -> torch.Tensor:
     """Fill ``target`` with the box of tensor ``fqn`` that starts at ``offsets`` (and has ``target``'s shape).
 
     Only the stored chunks the box overlaps are read, and of each only the overlap (DCP's own resharding arithmetic,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fabric_hsdp.checkpoint.core import fileio
+from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.errors import CheckpointError
 
@@ -110,7 +111,8 @@ class SafetensorsFile(CheckpointSource):
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         offset, info = self._entries[name]
-        return fileio.read_box(self._fd, offset, info.shape, info.dtype, index, name=name, file_name=self._file)
+        box = Box.of_index(index, info.shape, name)
+        return fileio.read_box(self._fd, offset, info.shape, info.dtype, box, file_name=self._file)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fabric_hsdp.checkpoint.core import fileio
+from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor, check_out_tensor
 from fabric_hsdp.checkpoint.core.tree import read_lazy
 from fabric_hsdp.errors import CheckpointError
@@ -73,8 +73,7 @@ class CheckpointSource(ABC):
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         info = self._info(name)
-        box = fileio.normalize_index(index, info.shape, name)
-        return self._read(name, None)[tuple(slice(start, stop) for start, stop in box)].clone()
+        return self._read(name, None)[Box.of_index(index, info.shape, name).slices()].clone()
 
     def _lazy_extras(self) -> dict[str, Any]:
         return {}

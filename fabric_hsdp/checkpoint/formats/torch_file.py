@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from fabric_hsdp.checkpoint.core import fileio
+from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
-from fabric_hsdp.checkpoint.core.tree import map_tensors
+from fabric_hsdp.checkpoint.core.tree import map_tree
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
 from fabric_hsdp.errors import CheckpointError, unsafe_pickle_error
@@ -76,7 +77,7 @@ class TorchFileSource(CheckpointSource):
             self._extras = extras
         else:
             self._stored = {name: self._locate(name, tensor) for name, tensor in model.items()}
-            self._extras = map_tensors(extras, self._lazy_leaf)
+            self._extras = map_tree(extras, self._lazy_leaf)
 
     def _load_zip(self, weights_only: bool) -> Any:
         try:
@@ -185,14 +186,14 @@ class TorchFileSource(CheckpointSource):
 
     def _read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         if self._legacy:  # already in memory: copy just the box, not the whole tensor and then the box
-            box = fileio.normalize_index(index, self._tensors[name].shape, name)
-            return self._tensors[name][tuple(slice(start, stop) for start, stop in box)].clone()
+            return self._tensors[name][Box.of_index(index, self._tensors[name].shape, name).slices()].clone()
         stored = self._stored.get(name)
         if stored is None or not stored.contiguous or self._byteswap:
             return super()._read_slice(name, index)
         info = stored.info
         start = stored.storage_start + stored.storage_offset * info.dtype.itemsize
-        return fileio.read_box(self._fd, start, info.shape, info.dtype, index, name=name, file_name=self._file)
+        box = Box.of_index(index, info.shape, name)
+        return fileio.read_box(self._fd, start, info.shape, info.dtype, box, file_name=self._file)
 
     def _lazy_extras(self) -> dict[str, Any]:
         return self._extras

@@ -30,6 +30,7 @@ from fabric_hsdp.checkpoint.core import commit
 from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+from fabric_hsdp.checkpoint.core.tree import map_tree
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
 from fabric_hsdp.checkpoint.training.staging import Staged, Stager
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
@@ -169,15 +170,11 @@ def copy_to_cpu(value: Any) -> Any:
     A DTensor stays a DTensor of the same mesh and placements with a CPU local shard (``DTensor.from_local`` would
     move that shard back to the mesh's device).
     """
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, StoredBoxes):
-        return value.copy_to_cpu()
-    if isinstance(value, dict):
-        return {key: copy_to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(copy_to_cpu(item) for item in value)
-    return value
+    return map_tree(value, _leaf_to_cpu, (torch.Tensor, StoredBoxes))
+
+
+def _leaf_to_cpu(leaf: torch.Tensor | StoredBoxes, path: tuple) -> torch.Tensor | StoredBoxes:
+    return leaf.copy_to_cpu() if isinstance(leaf, StoredBoxes) else leaf.detach().to("cpu", copy=True)
 
 
 class _AlreadyStaged(AsyncStager):

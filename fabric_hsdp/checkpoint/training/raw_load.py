@@ -64,18 +64,12 @@ def validate_load_mode(load_mode: str) -> str:
     return load_mode
 
 
-def local_box(tensor: torch.Tensor) -> tuple[slice, ...]:
-    """The global index range this rank's local shard of ``tensor`` covers (the whole tensor if not a DTensor)."""
-    offsets, sizes = global_box(tensor)
-    return tuple(slice(start, start + size) for start, size in zip(offsets, sizes))
-
-
 def copy_local_part(full: torch.Tensor, target: torch.Tensor, fused: FusedRows | None) -> None:
     """Copy into ``target``'s local shard its elements of ``full`` (a whole tensor in the stored order)."""
     if full.dim() and fused is not None:  # in the order tensor parallelism regrouped the rows
         full = fused.to_module_order(full)
     local = _local(target)
-    local.copy_((full[local_box(target)] if full.dim() else full).view(local.shape))
+    local.copy_((full[global_box(target).slices()] if full.dim() else full).view(local.shape))
 
 
 def read_local(
@@ -97,10 +91,8 @@ def read_local(
         local.copy_(source.read(name))
         return
     for piece in pieces_of(target, fused, rows):
-        sizes = [piece.stop - piece.start, *local.shape[1:]]
-        index = tuple(slice(offset, offset + size) for offset, size in zip(piece.offsets, sizes))
         rows = local[piece.start : piece.stop]
-        rows.copy_(source.read_slice(name, index).view(rows.shape))
+        rows.copy_(source.read_slice(name, piece.box(local.shape).slices()).view(rows.shape))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

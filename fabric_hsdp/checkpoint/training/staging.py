@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fabric_hsdp.checkpoint.core.boxes import Piece, StoredBoxes, pieces_of
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+from fabric_hsdp.checkpoint.core.tree import tree_leaves
 
 
 @dataclass
@@ -173,14 +174,9 @@ class _Copies:
 
 
 def _tensor_bytes(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor
 
-        return (tree.to_local() if isinstance(tree, DTensor) else tree).nbytes
-    if isinstance(tree, StoredBoxes):
-        return tree.local.nbytes
-    if isinstance(tree, dict):
-        return sum(_tensor_bytes(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in tree)
-    return 0
+    def local(leaf: torch.Tensor | StoredBoxes) -> torch.Tensor:
+        return leaf.local if isinstance(leaf, StoredBoxes) else leaf.to_local() if isinstance(leaf, DTensor) else leaf
+
+    return sum(local(leaf).nbytes for _, leaf in tree_leaves(tree, (torch.Tensor, StoredBoxes)))

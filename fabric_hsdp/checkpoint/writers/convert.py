@@ -21,7 +21,7 @@ from fabric_hsdp.checkpoint.core.commit import check_destination
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, apply_key_map
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.progress import Progress
-from fabric_hsdp.checkpoint.core.tree import tensor_leaves, tree_nbytes
+from fabric_hsdp.checkpoint.core.tree import tree_leaves, tree_nbytes
 from fabric_hsdp.checkpoint.formats.dcp_directory import storage_files
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import TensorInfo
@@ -258,7 +258,7 @@ def convert_checkpoint(
                         dest,
                     )
         summary = ConvertSummary(
-            tensors=len(tensors) + len(tensor_leaves(extras)),
+            tensors=len(tensors) + len(tree_leaves(extras)),
             bytes=total,
             seconds=time.perf_counter() - started,
             source_format=checkpoint.format,
@@ -304,8 +304,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool = True, fi
             "first_keys": [_info_dict(info) for info in infos[:first]],
             "model_key": getattr(checkpoint, "model_key", None),
             "extras": {
-                key: {"tensors": len(tensor_leaves(value)), "bytes": tree_nbytes(value)}
-                for key, value in extras.items()
+                key: {"tensors": len(tree_leaves(value)), "bytes": tree_nbytes(value)} for key, value in extras.items()
             },
         }
         if checkpoint.format == "dcp":

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from fabric_hsdp.checkpoint.core.commit import atomic_output
 from fabric_hsdp.checkpoint.core.dcp_errors import single_process_dcp
 from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter, release_freed_memory
-from fabric_hsdp.checkpoint.core.tree import map_tensors, read_lazy
+from fabric_hsdp.checkpoint.core.tree import map_tree, read_lazy
 from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
 from fabric_hsdp.checkpoint.writers.full_files import (
     ProgressFn,
@@ -99,7 +99,7 @@ def save_streaming(state: dict[str, Any], path: Path, on_tensor: Callable[[int],
         producers[".".join(str(part) for part in leaf_path)] = leaf  # the key DCP flattens this path to
         return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
 
-    skeleton = map_tensors(state, placeholder)
+    skeleton = map_tree(state, placeholder)
     planner = _StreamingSavePlanner(producers, on_tensor)
     writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
     writer.fs = _DirectFileSystem()

@@ -36,7 +36,7 @@ import torch
 from fabric_hsdp.checkpoint.core.commit import atomic_output
 from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter, ScratchBuffer, release_freed_memory
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
-from fabric_hsdp.checkpoint.core.tree import map_tensors, nbytes, tensor_leaves
+from fabric_hsdp.checkpoint.core.tree import map_tree, nbytes, tree_leaves
 from fabric_hsdp.checkpoint.formats.safetensors_file import SAFETENSORS_DTYPES
 from fabric_hsdp.units import parse_bytes
 
@@ -116,10 +116,10 @@ def write_torch_file(
     entries = check_entries(tensors)
     model = dict(entries)
     obj: Any = {model_key: model, **extras} if extras else model
-    leaves = tensor_leaves(obj)
+    leaves = tree_leaves(obj)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = {path: torch.empty(leaf.shape, dtype=leaf.dtype) for path, leaf in leaves}
-    skeleton = map_tensors(obj, lambda _, path: fakes[path])
+    skeleton = map_tree(obj, lambda _, path: fakes[path])
     dest = Path(dest)
     with atomic_output(dest, overwrite) as tmp:
         # torch pickles the structure itself (data.pkl); skip_data leaves the storage bytes out, to be streamed below.
