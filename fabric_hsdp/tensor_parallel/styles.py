@@ -86,8 +86,9 @@ class SplitSequence(ParallelStyle):
             parts[id(part)] = part
             return (part, *args[1:]), kwargs
 
-        # not traced under compile=True (the first layer's hooks run inside its compiled call): dynamo cannot trace
-        # the weak dictionary (graph breaks, and a recompile per model on its keys); run eagerly, one break in one layer
+        # run eagerly under compile=True (the first layer's hooks are inside its compiled call): traced, the weak
+        # dictionary broke that layer's graph and recompiled it per model on its keys; the contiguous copy keeps the
+        # layer's input strides those of the other layers' inputs (a stride recompile otherwise)
         module.register_forward_pre_hook(torch.compiler.disable(split), with_kwargs=True)
         return module
 
