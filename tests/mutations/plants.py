@@ -262,4 +262,15 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),
     ),
+    "19a": Plant(
+        "a stopped store host (rank 0) fails the other ranks instead of hanging (#19)",
+        "the watchdog does not time its own store calls",
+        (
+            (
+                "            if since is not None and since == seen and time.monotonic() - since > self._timeout:\n",
+                "            if False:\n",
+            ),
+        ),
+        ("tests/checkpoint/test_io_watchdog.py::test_a_stopped_store_host_fails_the_other_ranks_naming_the_store",),
+    ),
 }

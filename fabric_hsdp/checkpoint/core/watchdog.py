@@ -16,8 +16,13 @@ message naming the rank, its host, the file and how many bytes it had done; ever
 and ends its process with exit status 1 (a rank blocked in a collective or in the kernel cannot raise). Each rank
 polls one or two keys per interval, so the store's load grows with the number of ranks, not its square.
 
-Not covered: a stop of rank 0's process, which serves the store (its watchdog cannot post, nobody can read the key:
-the collective timeout applies), and full (one-file) saves, written by torch and safetensors without progress.
+A stop of the process that serves the store (rank 0's, unless torchrun's agent serves it) leaves no key to post or
+read: every other watchdog's store call then waits, and the store client's own timeout does not end a read from a
+stopped server (measured: a ``check`` with a 2 s timeout still waiting 20 s later, a ``get`` 90 s later). So each
+watch also times its own store calls: one that has not returned after ``timeout`` ends the process with a message
+naming the store's address and the operation, as a stall does.
+
+Not covered: full (one-file) saves, written by torch and safetensors without progress.
 """
 
 from __future__ import annotations
@@ -169,20 +174,25 @@ class _Watch:
         self._neighbour = (rank + 1) % world
         self._neighbour_key = f"{_PREFIX}/{number}/rank{self._neighbour}"
         self._stopped = threading.Event()
+        self._store_call_since: float | None = None  # when the store call in progress began (None: none is)
         with _lock:
             _progress.done, _progress.file, _progress.steps = 0, "", _progress.steps + 1
         self._thread = threading.Thread(target=self._run, name="fabric-hsdp-io-watchdog", daemon=True)
+        self._guard = threading.Thread(target=self._guard_store, name="fabric-hsdp-io-watchdog-store", daemon=True)
         self._thread.start()
+        self._guard.start()
 
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join()
+        self._guard.join()
 
     def _run(self) -> None:
         own = _Judge(self._timeout)
         neighbour = _Judge(self._timeout)
         posted: dict[str, Any] | None = None
         while not self._stopped.wait(self._interval):
+            self._store_call_since = time.monotonic()
             try:
                 record = _progress.record(self._rank, self._host)
                 if record != posted:
@@ -200,8 +210,28 @@ class _Watch:
                 if not self._stopped.is_set():
                     _logger.debug("checkpoint I/O watchdog stopped: %s", error)
                 return
+            finally:
+                self._store_call_since = None
         with contextlib.suppress(Exception):  # best effort: the store may already be gone
             self._store.delete_key(self._key)
+
+    def _guard_store(self) -> None:
+        """End this process when one of the watch's store calls has not returned for ``timeout``: the store's
+        process is stopped or frozen, and nothing else would end the collective this rank waits in."""
+        seen = None  # the call in progress at the previous check
+        while not self._stopped.wait(self._interval):
+            since = self._store_call_since
+            # judged on a second look at the same call: a process that could not run either thread for a while
+            # (both waiting for the GIL) is not taken for a silent store
+            if since is not None and since == seen and time.monotonic() - since > self._timeout:
+                address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+                self._end(
+                    f"checkpoint I/O stalled while {self._operation}: the job's store ({address}, served by rank 0's"
+                    f" process unless torchrun's agent serves it) has not answered rank {self._rank} (host"
+                    f" {self._host}) for {self._timeout:g} s. Check that process and its host (a stopped process, a"
+                    " frozen node); the limit is HybridFSDPStrategy(io_timeout=...)."
+                )
+            seen = since
 
     def _describe(self, record: dict[str, Any]) -> str:
         what = record["what"] or "doing I/O"
