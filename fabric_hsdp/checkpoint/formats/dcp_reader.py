@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from fabric_hsdp.checkpoint.core import fileio, watchdog
+from fabric_hsdp.checkpoint.formats.torch_chunk import ChunkLayout, chunk_layout
 from fabric_hsdp.errors import CheckpointError
 
 
@@ -51,6 +52,7 @@ class OneCopyReader(FileSystemReader):
                 by_file.setdefault(info.relative_path, []).append(item)
         for relative_path, items in by_file.items():
             file = Path(self.path) / relative_path
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)  # in file order, for readahead
             with watchdog.doing_io("reading", str(file)), open(file, "rb") as stream:
                 for item in items:
                     self._read_item(stream, str(file), item, planner)
@@ -62,40 +64,55 @@ class OneCopyReader(FileSystemReader):
         return future
 
     def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
-        info: _StorageInfo = self.storage_data[item.storage_index]
-        # Each chunk is a small torch.save archive; its meta-load gives the layout and where the bytes start.
-        size = os.fstat(stream.fileno()).st_size
-        try:
-            if info.offset + info.length > size:
-                raise RuntimeError(f"the file has {size} bytes")
-            view = _create_file_view(stream, info.offset, info.length)
-            stored = torch.load(view, map_location="meta", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
-            raise CheckpointError(
-                f"'{file_name}' is truncated or damaged: tensor {item.storage_index.fqn!r} at bytes"
-                f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
-            ) from None
-        start = info.offset + stored.untyped_storage()._checkpoint_offset
         fd = stream.fileno()
+        stored = _stored_layout(stream, file_name, item, self.storage_data[item.storage_index])
         target = planner.resolve_tensor(item).detach()
         offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(stored.shape)
-        if stored.is_contiguous():  # as DCP writes them: only the wanted box is read
-            base = start + stored.storage_offset() * stored.element_size()
+        itemsize = stored.dtype.itemsize
+        if stored.contiguous:  # as DCP writes them: only the wanted box is read
+            base = stored.start + stored.storage_offset * itemsize
             rows = offsets[1:] == [0] * len(offsets[1:]) and lengths[1:] == shape[1:]  # one contiguous run
             direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored.dtype
             if rows and direct:
                 first = offsets[0] * math.prod(shape[1:]) if shape else 0
-                fileio.readinto(fd, target, base + first * stored.element_size(), file_name=file_name)
+                fileio.readinto(fd, target, base + first * itemsize, file_name=file_name)
             else:  # another box, device or dtype: through a CPU buffer of the box
                 box = tuple(slice(offset, offset + length) for offset, length in zip(offsets, lengths))
                 fqn = item.storage_index.fqn
                 target.copy_(fileio.read_box(fd, base, shape, stored.dtype, box, name=fqn, file_name=file_name))
         else:
-            nbytes = stored.untyped_storage().nbytes()
-            raw = fileio.read_tensor(fd, start, [nbytes], torch.uint8, file_name=file_name)
-            chunk = raw.view(stored.dtype).as_strided(stored.shape, stored.stride(), stored.storage_offset())
+            raw = fileio.read_tensor(fd, stored.start, [stored.storage_bytes], torch.uint8, file_name=file_name)
+            chunk = raw.view(stored.dtype).as_strided(stored.shape, stored.stride, stored.storage_offset)
             target.copy_(narrow(chunk, item.storage_offsets, item.lengths))
         planner.commit_tensor(item, target)
+
+
+def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _StorageInfo) -> ChunkLayout:
+    """Where the chunk's bytes start and how its tensor views them: parsed directly in the plain form DCP writes
+    (:mod:`~fabric_hsdp.checkpoint.formats.torch_chunk`), else by a meta-load of the chunk's archive."""
+    size = os.fstat(stream.fileno()).st_size
+    try:
+        if info.offset + info.length > size:
+            raise RuntimeError(f"the file has {size} bytes")
+        layout = chunk_layout(stream.fileno(), info.offset, info.length)
+        if layout is not None:
+            return layout
+        view = _create_file_view(stream, info.offset, info.length)
+        stored = torch.load(view, map_location="meta", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(
+            f"'{file_name}' is truncated or damaged: tensor {item.storage_index.fqn!r} at bytes"
+            f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
+        ) from None
+    storage = stored.untyped_storage()
+    return ChunkLayout(
+        start=info.offset + storage._checkpoint_offset,
+        storage_bytes=storage.nbytes(),
+        dtype=stored.dtype,
+        shape=tuple(stored.shape),
+        stride=tuple(stored.stride()),
+        storage_offset=stored.storage_offset(),
+    )
 
 
 def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
