@@ -128,9 +128,10 @@ class HybridFSDPStrategy(ParallelStrategy):
             carries the other copies. Worth it where the shared filesystem is slower than the inter-node network; off
             by default (on CPU/gloo the gathers are slower than the reads).
         io_timeout: Seconds (or a ``timedelta``) a rank may spend in its own checkpoint reads or writes without
-            advancing (64 MiB at a time) before every rank fails with a message naming that rank, its host, the file
-            and the bytes it had done; instead of the others waiting in a collective until ``timeout``. Watches
-            sharded saves and loads and raw loads (``"slice"``/``"turns"``). ``None`` turns it off.
+            advancing (64 MiB read, 16 MiB written) before every rank fails with a message naming that rank, its
+            host, the file and the bytes it had done; instead of the others waiting in a collective until
+            ``timeout``. Watches sharded and full saves, sharded loads and raw loads (``"slice"``/``"turns"``), and
+            a stopped store host (rank 0's process). ``None`` turns it off.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default; ``"cpu:gloo,cuda:nccl"`` on CUDA
             with ``cpu_offload``, whose shards and gradients live in CPU memory.
         timeout: Timeout of the collectives.

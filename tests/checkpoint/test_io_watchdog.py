@@ -10,8 +10,15 @@ from tests.helpers.launch import launch
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("stall", "stalled_rank", "what"), [("load-fifo", 2, "reading"), ("save-stop", 1, "writing")])
-def test_stalled_rank_fails_every_rank_with_its_file_and_progress(tmp_path, stall, stalled_rank, what):
+@pytest.mark.parametrize(
+    ("stall", "stalled_rank", "what", "file"),
+    [
+        ("load-fifo", 2, "reading", ".distcp'"),
+        ("save-stop", 1, "writing", ".distcp'"),
+        ("full-save-fifo", 0, "writing", "/full.pth'"),  # one file from rank 0, the others in its gathers
+    ],
+)
+def test_stalled_rank_fails_every_rank_with_its_file_and_progress(tmp_path, stall, stalled_rank, what, file):
     io_timeout = 2.0
     result = launch(
         "tests.scenarios.io:stalled_io",
@@ -28,7 +35,7 @@ def test_stalled_rank_fails_every_rank_with_its_file_and_progress(tmp_path, stal
         line = next((line for line in rank.stderr.splitlines() if "checkpoint I/O stalled" in line), None)
         assert line is not None, rank.stderr[-3000:]
         assert f"rank {stalled_rank} (host " in line and f"for {io_timeout:g} s {what} '" in line, line
-        assert ".distcp'" in line and " bytes done in this operation" in line, line
+        assert file in line and " bytes done in this operation" in line, line
         done = int(re.search(r"\(([\d,]+) bytes done", line).group(1).replace(",", ""))
         assert done > 0, line
     # how far it got: the read or write before the stall counted

@@ -42,6 +42,7 @@ def test_resharded_load_is_exact(sharded_checkpoint, nodes, per_node, split):
     for facts in result.check().values:
         _assert_exact(facts)
         assert facts["remainder"] == {"note": "hi"}
+        assert facts["optimizer_steps_during_load"] == 0  # its state was allocated from the checkpoint
 
 
 def test_split_replica_reads_read_each_shard_once(sharded_checkpoint):
@@ -117,6 +118,7 @@ def test_checkpoint_of_lightning_model_parallel_strategy_loads(tmp_path):
     launch("tests.scenarios.checkpoints:save_with_lightning", {"out": str(tmp_path)}).check()
     for facts in launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path)}).check().values:
         _assert_exact(facts)
+        assert facts["optimizer_steps_during_load"] == 0
 
 
 @pytest.mark.parametrize("name", ["full.pth", "full.safetensors"])
@@ -226,6 +228,7 @@ def test_background_save_holds_the_state_at_save_time_and_finishes_when_the_scri
     for facts in launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path)}, num_nodes=1).check().values:
         _assert_exact(facts)
         assert facts["remainder"] == {"note": "hi"}
+        assert facts["optimizer_steps_during_load"] == 0  # its state was allocated from the checkpoint
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -262,7 +262,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),
     ),
-    "19a": Plant(
+    "19d": Plant(
         "a stopped store host (rank 0) fails the other ranks instead of hanging (#19)",
         "the watchdog does not time its own store calls",
         (
@@ -272,5 +272,47 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         ("tests/checkpoint/test_io_watchdog.py::test_a_stopped_store_host_fails_the_other_ranks_naming_the_store",),
+    ),
+    "19a": Plant(
+        "full (one-file) saves are watched by the I/O watchdog (#19)",
+        "save_full runs outside the watch: rank 0's stuck write leaves the others in its gathers",
+        (
+            (
+                "        with self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
+                '            if full or self.state_dict_type == "full" or path.suffix == ".safetensors":\n'
+                "                save_full(path, state)  # rank 0 writes; the others wait in its gathers\n"
+                "                return\n",
+                '        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":  # planted\n'
+                "            save_full(path, state)\n"
+                "            return\n"
+                "        with self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_io_watchdog.py::test_stalled_rank_fails_every_rank_with_its_file_and_progress"
+            "[full-save-fifo-0-writing-/full.pth']",
+        ),
+    ),
+    "19b": Plant(
+        "a sharded load allocates a fresh optimizer's state from the checkpoint, no zero step (#19)",
+        "the allocation is skipped: DCP steps the optimizer with zero gradients before every cold load",
+        (
+            (
+                "    if optimizer.state:\n        return False\n    paths = ",
+                "    if True:  # planted\n        return False\n    paths = ",
+            ),
+        ),
+        ("tests/checkpoint/test_save_load.py::test_resharded_load_is_exact[2-2-False]",),
+    ),
+    "19c": Plant(
+        "a DCP chunk's layout read from its zip directory (#19)",
+        "the data start ignores the local header's extra field (the alignment padding)",
+        (
+            (
+                "    return local + _LOCAL.size + name_length + extra_length\n",
+                "    return local + _LOCAL.size + name_length\n",
+            ),
+        ),
+        ("tests/checkpoint/test_torch_chunk.py::test_layout_matches_torch_load",),
     ),
 }

@@ -116,7 +116,10 @@ def load(
     )
     model, optimizer, scheduler = setup_training(fabric, empty_init=True, seed=99)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    steps = []  # a load must not step the optimizer (DCP would, to create a fresh optimizer's state)
+    hook = optimizer.optimizer.register_step_pre_hook(lambda *_: steps.append(1))
     remainder = fabric.load(Path(out) / name, state, **kw)
+    hook.remove()
     expected = torch.load(Path(out) / "expected.pt", weights_only=False)
     actual_model = full_state(model.module)
     actual_optimizer = full_optimizer_state(model.module, optimizer.optimizer)
@@ -130,6 +133,7 @@ def load(
         "model_equal": model_equal,
         "optimizer_equal": optimizer_equal,
         "optimizer_keys": sorted({key for entries in actual_optimizer.values() for key in entries}),
+        "optimizer_steps_during_load": len(steps),
         "step": state["step"],
         "scheduler_equal": scheduler.state_dict() == expected["scheduler"],
         "lr": optimizer.param_groups[0]["lr"],

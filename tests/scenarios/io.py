@@ -21,13 +21,21 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
     ``stall="load-fifo"``: during the load, ``stalled_rank``'s second read blocks reading a FIFO nobody writes to
     (its watchdog thread runs on). ``stall="save-stop"``: during the next save, ``stalled_rank`` writes one piece,
     then stops its whole process (``SIGSTOP``: no thread of it runs; its ring neighbour must notice).
+    ``stall="full-save-fifo"``: a full (one-file) save to ``full.pth``, whose writer thread on ``stalled_rank``
+    (rank 0, the one that writes) blocks on a FIFO at its first write to the disk, as on a dead mount; the others
+    wait in its gathers.
     """
     from fabric_hsdp.checkpoint.core import fileio
     from fabric_hsdp.checkpoint.writers import direct_writer
 
     # the collectives' own timeout is far away: only the watchdog can end this job in time
     fabric = make_fabric(
-        num_nodes, devices, sharded_modules={layer_class("llama")}, io_timeout=io_timeout, timeout=timedelta(minutes=5)
+        num_nodes,
+        devices,
+        sharded_modules={layer_class("llama")},
+        io_timeout=io_timeout,
+        timeout=timedelta(minutes=5),
+        state_dict_type="full" if stall == "full-save-fifo" else "sharded",
     )
     model, optimizer, _ = setup_training(fabric, empty_init=False)
     path = Path(out) / "ckpt"
@@ -57,9 +65,20 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
             return written
 
         direct_writer._WatchedDirectFile.write = stopping_write
+    if stall == "full-save-fifo" and stalled:
+        fifo = Path(out) / f"fifo{stalled_rank}"
+        os.mkfifo(fifo)
+
+        def blocking_write_all(self: Any, view: memoryview) -> None:
+            (Path(out) / "stalled_at").write_text(str(time.time()))
+            os.read(os.open(fifo, os.O_RDWR), 1)
+
+        fileio.DirectFileWriter._write_all = blocking_write_all
     started = time.monotonic()
     if stall == "load-fifo":
         fabric.load(path, {"model": model, "optimizer": optimizer})
+    elif stall == "full-save-fifo":
+        fabric.save(Path(out) / "full.pth", {"model": model, "optimizer": optimizer})
     else:
         fabric.save(path, {"model": model, "optimizer": optimizer})
     return {"finished_after": time.monotonic() - started}  # the watchdog must not let any rank get here

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.progress import log_throughput
 from fabric_hsdp.errors import write_error
 
@@ -156,12 +157,13 @@ def remove_path(path: Path) -> None:
 
 
 def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (its entries)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a file or a directory (its entries); a stuck one is seen by the I/O watchdog."""
+    with watchdog.doing_io("writing", str(path)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_tree(path: Path) -> None:

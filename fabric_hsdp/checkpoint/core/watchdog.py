@@ -6,7 +6,7 @@ a save or a load runs, each rank's :class:`IOWatchdog` thread watches:
 
 * this rank: while it is *in I/O* (between :func:`doing_io` entering and leaving: its own reads or writes, not the
   collectives around them), the bytes it has read or written must advance (:func:`advance`, called by
-  :mod:`fabric_hsdp.checkpoint.core.fileio` every 64 MiB and by the save's file streams) at least once per ``timeout``;
+  :mod:`fabric_hsdp.checkpoint.core.fileio` every 64 MiB read and 16 MiB written) at least once per ``timeout``;
 * the next rank in a ring (rank ``r`` watches rank ``r + 1``): the same rule on what that rank last posted to the
   job's TCPStore, so a rank whose every thread is stopped (``SIGSTOP``, a frozen node) is caught too.
 
@@ -16,13 +16,14 @@ message naming the rank, its host, the file and how many bytes it had done; ever
 and ends its process with exit status 1 (a rank blocked in a collective or in the kernel cannot raise). Each rank
 polls one or two keys per interval, so the store's load grows with the number of ranks, not its square.
 
+Full (one-file) saves are watched the same way: rank 0 writes through ``fileio.DirectFileWriter``, which reports
+while the others wait in its gathers.
+
 A stop of the process that serves the store (rank 0's, unless torchrun's agent serves it) leaves no key to post or
 read: every other watchdog's store call then waits, and the store client's own timeout does not end a read from a
 stopped server (measured: a ``check`` with a 2 s timeout still waiting 20 s later, a ``get`` 90 s later). So each
 watch also times its own store calls: one that has not returned after ``timeout`` ends the process with a message
 naming the store's address and the operation, as a stall does.
-
-Not covered: full (one-file) saves, written by torch and safetensors without progress.
 """
 
 from __future__ import annotations

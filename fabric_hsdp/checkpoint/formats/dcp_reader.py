@@ -9,6 +9,7 @@ Used by the training path (:mod:`fabric_hsdp.checkpoint.training.sharded`) and t
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import pickle
@@ -28,7 +29,11 @@ from torch.futures import Future
 
 from fabric_hsdp.checkpoint.core import fileio, watchdog
 from fabric_hsdp.checkpoint.core.box import Box
+from fabric_hsdp.checkpoint.formats.torch_chunk import ChunkLayout, chunk_layout
 from fabric_hsdp.errors import CheckpointError
+
+# How far ahead of the chunk being read the next chunks are asked for (see _ReadAhead).
+_READ_AHEAD = 256 << 20
 
 
 class OneCopyReader(FileSystemReader):
@@ -53,8 +58,11 @@ class OneCopyReader(FileSystemReader):
                 by_file.setdefault(info.relative_path, []).append(item)
         for relative_path, items in by_file.items():
             file = Path(self.path) / relative_path
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)  # in file order, for readahead
             with watchdog.doing_io("reading", str(file)), open(file, "rb") as stream:
-                for item in items:
+                read_ahead = _ReadAhead(stream.fileno(), [self._whole_chunk(item) for item in items])
+                for number, item in enumerate(items):
+                    read_ahead.before(number)
                     self._read_item(stream, str(file), item, planner)
         if others:
             with watchdog.doing_io("reading", str(self.path)):
@@ -63,40 +71,93 @@ class OneCopyReader(FileSystemReader):
         future.set_result(None)
         return future
 
-    def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
+    def _whole_chunk(self, item: ReadItem) -> tuple[int, int] | None:
+        """``(offset, length)`` of the item's chunk in its file if the item reads most of it (else ``None``: asking
+        for the whole chunk would read bytes this rank does not need)."""
         info: _StorageInfo = self.storage_data[item.storage_index]
-        # Each chunk is a small torch.save archive; its meta-load gives the layout and where the bytes start.
-        size = os.fstat(stream.fileno()).st_size
-        try:
-            if info.offset + info.length > size:
-                raise RuntimeError(f"the file has {size} bytes")
-            view = _create_file_view(stream, info.offset, info.length)
-            stored = torch.load(view, map_location="meta", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
-            raise CheckpointError(
-                f"'{file_name}' is truncated or damaged: tensor {item.storage_index.fqn!r} at bytes"
-                f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
-            ) from None
-        start = info.offset + stored.untyped_storage()._checkpoint_offset
+        entry = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if dtype is None:
+            return None
+        return (info.offset, info.length) if 2 * math.prod(item.lengths) * dtype.itemsize >= info.length else None
+
+    def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
         fd = stream.fileno()
+        stored = _stored_layout(stream, file_name, item, self.storage_data[item.storage_index])
         target = planner.resolve_tensor(item).detach()
         offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(stored.shape)
-        if stored.is_contiguous():  # as DCP writes them: only the wanted box is read
-            base = start + stored.storage_offset() * stored.element_size()
+        itemsize = stored.dtype.itemsize
+        if stored.contiguous:  # as DCP writes them: only the wanted box is read
+            base = stored.start + stored.storage_offset * itemsize
             rows = offsets[1:] == [0] * len(offsets[1:]) and lengths[1:] == shape[1:]  # one contiguous run
             direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored.dtype
             if rows and direct:
                 first = offsets[0] * math.prod(shape[1:]) if shape else 0
-                fileio.readinto(fd, target, base + first * stored.element_size(), file_name=file_name)
+                fileio.readinto(fd, target, base + first * itemsize, file_name=file_name)
             else:  # another box, device or dtype: through a CPU buffer of the box
                 box = Box(tuple(offsets), tuple(lengths))
                 target.copy_(fileio.read_box(fd, base, shape, stored.dtype, box, file_name=file_name))
         else:
-            nbytes = stored.untyped_storage().nbytes()
-            raw = fileio.read_tensor(fd, start, [nbytes], torch.uint8, file_name=file_name)
-            chunk = raw.view(stored.dtype).as_strided(stored.shape, stored.stride(), stored.storage_offset())
+            raw = fileio.read_tensor(fd, stored.start, [stored.storage_bytes], torch.uint8, file_name=file_name)
+            chunk = raw.view(stored.dtype).as_strided(stored.shape, stored.stride, stored.storage_offset)
             target.copy_(narrow(chunk, item.storage_offsets, item.lengths))
         planner.commit_tensor(item, target)
+
+
+def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _StorageInfo) -> ChunkLayout:
+    """Where the chunk's bytes start and how its tensor views them: parsed directly in the plain form DCP writes
+    (:mod:`~fabric_hsdp.checkpoint.formats.torch_chunk`), else by a meta-load of the chunk's archive."""
+    size = os.fstat(stream.fileno()).st_size
+    try:
+        if info.offset + info.length > size:
+            raise RuntimeError(f"the file has {size} bytes")
+        layout = chunk_layout(stream.fileno(), info.offset, info.length)
+        if layout is not None:
+            return layout
+        view = _create_file_view(stream, info.offset, info.length)
+        stored = torch.load(view, map_location="meta", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(
+            f"'{file_name}' is truncated or damaged: tensor {item.storage_index.fqn!r} at bytes"
+            f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
+        ) from None
+    storage = stored.untyped_storage()
+    return ChunkLayout(
+        start=info.offset + storage._checkpoint_offset,
+        storage_bytes=storage.nbytes(),
+        dtype=stored.dtype,
+        shape=tuple(stored.shape),
+        stride=tuple(stored.stride()),
+        storage_offset=stored.storage_offset(),
+    )
+
+
+class _ReadAhead:
+    """Asks the kernel to start reading the chunks this rank reads next (``POSIX_FADV_WILLNEED``), up to
+    :data:`_READ_AHEAD` bytes ahead of the one being read: the disk then serves the small header reads and the
+    bodies of several chunks at once instead of one read at a time (a cold 525 MB load of 1,000 chunks here: 0.47 s
+    instead of 0.57 s in one process, 2.7-3.0 s instead of 3.1-3.4 s for the 4-rank benchmark)."""
+
+    def __init__(self, fd: int, extents: list[tuple[int, int] | None]) -> None:
+        self._fd = fd
+        self._extents = extents
+        self._before = list(itertools.accumulate((e[1] if e else 0 for e in extents), initial=0))  # bytes before each
+        self._next = 0  # the first extent not asked for yet
+        self._usable = hasattr(os, "posix_fadvise")
+
+    def before(self, current: int) -> None:
+        """Call before reading item ``current``."""
+        self._next = max(self._next, current)
+        while self._usable and self._next < len(self._extents):
+            if self._next > current and self._before[self._next] - self._before[current] > _READ_AHEAD:
+                return
+            extent = self._extents[self._next]
+            self._next += 1
+            if extent is not None:
+                try:
+                    os.posix_fadvise(self._fd, extent[0], extent[1], os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    self._usable = False
 
 
 def narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:

@@ -66,10 +66,10 @@ class Checkpointer:
         """Write ``state`` at ``path``: one full file (``full``, ``state_dict_type="full"`` or a ``.safetensors``
         path), else a sharded DCP directory, in the background with ``async_save``."""
         self.wait()
-        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":
-            save_full(path, state)
-            return
         with self._watchdog.watch(f"saving checkpoint '{path}'"):
+            if full or self.state_dict_type == "full" or path.suffix == ".safetensors":
+                save_full(path, state)  # rank 0 writes; the others wait in its gathers
+                return
             background = self._background if self._background.enabled else None
             save_sharded(path, state, broadcast, background)
 

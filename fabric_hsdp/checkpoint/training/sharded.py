@@ -27,7 +27,7 @@ from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner, SavePlanne
 from fabric_hsdp.checkpoint.core.progress import log_throughput
 from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete, read_metadata, top_level_keys
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
-from fabric_hsdp.checkpoint.training import background, replica_split
+from fabric_hsdp.checkpoint.training import background, optimizer_state, replica_split
 from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import CheckpointError, write_error
@@ -153,6 +153,7 @@ def load_sharded(
     # one read of the model and every optimizer: DCP plans once and each rank reads each file once
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
+        optimizer_state.allocate_from_metadata(model, optimizer, key, metadata)  # else DCP runs a zero step first
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     if split_mesh is not None:
         targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, fused_rows_of(model))

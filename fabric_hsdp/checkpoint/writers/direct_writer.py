@@ -8,7 +8,7 @@ aligned buffers, the disk writing one while the next is filled) and records carr
 (``torch.serialization.set_crc32_options(False)`` while the files are written). The format is unchanged: torch's
 readers, DCP's ``FileSystemReader``, ``dcp_to_torch_save`` and Lightning's consolidation read these files; only a
 generic ``unzip`` would warn about the CRC fields. Each file is fsync'ed when closed, before DCP writes
-``.metadata``. Progress goes to the I/O watchdog (:mod:`fabric_hsdp.checkpoint.core.watchdog`) every 64 MiB.
+``.metadata``. Progress goes to the I/O watchdog (:mod:`fabric_hsdp.checkpoint.core.watchdog`) every 16 MiB.
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter
-
-# Writes are handed to the file in pieces of this size, each reported to the watchdog.
-_WRITE_PIECE = 64 << 20
 
 
 class DirectWriter(FileSystemWriter):
@@ -95,20 +92,7 @@ class _DirectFileSystem(FileSystem):
 
 
 class _WatchedDirectFile(DirectFileWriter):
-    """A :class:`DirectFileWriter` that reports its progress and is durable once closed."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self._name = str(path)
-        watchdog.advance(0, self._name)
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, view.nbytes, _WRITE_PIECE):
-            piece = view[start : start + _WRITE_PIECE]
-            super().write(piece)
-            watchdog.advance(piece.nbytes, self._name)
-        return view.nbytes
+    """A :class:`DirectFileWriter` (which reports its progress to the I/O watchdog) that is durable once closed."""
 
     def close(self) -> None:
         if self.closed:
@@ -116,6 +100,7 @@ class _WatchedDirectFile(DirectFileWriter):
         fd = os.dup(self.fileno())
         try:
             super().close()  # writes the tail
-            os.fsync(fd)
+            with watchdog.doing_io("writing", str(self._path)):
+                os.fsync(fd)
         finally:
             os.close(fd)
