@@ -63,7 +63,9 @@ def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scra
     assert report.checkpoint_read == 4 * expected  # its own shard of the file, nothing more
     assert set(report.phases) == {"setup", "load", "step", "save"}
     assert report.planned is not None and report.planned.parameters == 4 * expected
-    assert report.ratio is not None and report.ratio > 0
+    # the report holds the step's measured peak against the plan; the figure itself may be 0 here: this tiny
+    # model's step allocates less than the RSS freed after the load (CI once measured 0.0)
+    assert report.ratio is not None and report.ratio == report.step_peak / report.planned.total
     assert not any("before the optimizer allocated" in note for note in report.notes)  # 2 steps: a steady one
     (save,) = report.saves
     assert save["by_dry_run"] and save["kind"] == "sharded"  # the script's own save came after the limit
