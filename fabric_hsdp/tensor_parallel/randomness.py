@@ -86,7 +86,8 @@ def seed_split_regions(model: nn.Module, regions: list[str], tensor_rank: int, d
 def has_dropout(module: nn.Module) -> bool:
     """Whether ``module`` may draw dropout masks: it holds an ``nn.Dropout`` (of any kind) with ``p > 0``, or a
     float attribute named ``*dropout*`` above 0 that its forward passes to ``F.dropout`` or an attention function
-    (transformers' ``attention_dropout``, the example model's ``dropout``)."""
+    (transformers' ``attention_dropout``, the example model's ``dropout``). A forward that draws random numbers
+    without either (``F.dropout(x, 0.1)`` with a literal) is not seen: its peers then draw alike in that region."""
     for sub in module.modules():
         if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
             return True
