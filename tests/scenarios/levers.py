@@ -121,15 +121,16 @@ def levers(
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             torch._dynamo.utils.clear_compilation_metrics()
+            torch._dynamo.utils.set_compilation_metrics_limit(10_000)  # torch keeps the last 64: keep them all
             fabric = make_fabric(num_nodes, devices, **_strategy_kwargs(kind, config))
             if directory is None:
                 directory = Path(
                     fabric.broadcast(tempfile.mkdtemp(prefix="levers-") if fabric.global_rank == 0 else "")
                 )
             options = dict(steps=3, accumulate=2, clip="norm", setup_together=False)
-            result = _parity(fabric, kind, bugs=list(bugs) if index == 0 else [], **options)
-            facts["parity"][f"{label}/{kind}"] = {key: result[key] for key in ("floor", "ours", "bugs")}
             planted = list(bugs) if index == 0 else []
+            result = _parity(fabric, kind, bugs=planted, **options)
+            facts["parity"][f"{label}/{kind}"] = {key: result[key] for key in ("floor", "ours", "bugs")}
             facts["graphs"][f"{label}/{kind}"] = {**compile_counts(), "models": 1 + len(planted)}  # ours + a bug's
             facts["checkpoint"][f"{label}/{kind}"] = checkpoint_round_trip(
                 fabric, (num_nodes, devices), kind, directory / label
