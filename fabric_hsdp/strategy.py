@@ -11,13 +11,9 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
-from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor
@@ -35,13 +31,14 @@ from fabric_hsdp.materialize import parameters_on_meta
 from fabric_hsdp.parallelize import levers_of, set_up_module
 from fabric_hsdp.planning import auto
 from fabric_hsdp.planning.memory import Training, Workload
+from fabric_hsdp.process_group_strategy import ProcessGroupStrategy
 from fabric_hsdp.sharding import ModulePolicy, check_optimizer_is_sharded, parameter_names, repoint_optimizers
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
-from fabric_hsdp.tensor_parallel import TensorParallelPlan, loss_parallel, module_layout
+from fabric_hsdp.tensor_parallel import TensorParallelPlan, loss_parallel
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology
 
 
-class HybridFSDPStrategy(ParallelStrategy):
+class HybridFSDPStrategy(ProcessGroupStrategy):
     """Hybrid sharded data parallel (HSDP) on FSDP2: shard within a node (or group of nodes), replicate across them.
 
     Parameters, gradients and optimizer state are sharded over the ``shard`` dim of a named ``DeviceMesh``
@@ -58,10 +55,10 @@ class HybridFSDPStrategy(ParallelStrategy):
             ``"world"`` (plain FSDP over all ranks), or a number (e.g. 16 = two 8-GPU nodes, for a model that does not
             fit in one node). Must divide the world size and cover whole nodes or equal parts of one node. With
             tensor parallelism these ranks split the model ``T`` ways by TP and ``shard_size / T`` ways by FSDP.
-            ``"auto"``: at ``setup_module``, plan the real model with ``fabric-hsdp plan``'s code and take the
-            recommended layout (with this ``tensor_parallel_size``): of those that fit ``memory_budget`` less a 10 %
-            margin, the one sending the fewest bytes between nodes (on one node, the smallest shard group). The choice
-            and the plan's table are logged; when nothing fits, every rank raises a ``ValueError`` with the smallest
+            ``"auto"``: at ``setup_module``, plan the real model as ``fabric-hsdp plan`` does (with this
+            ``tensor_parallel_size``) and take, of the layouts fitting ``memory_budget`` less 10 %, the one sending
+            the fewest bytes between nodes (on one node, the smallest shard group); the choice and the plan's table
+            are logged. Nothing fits: every rank raises ``NoLayoutFitsError`` (a ``ValueError``) naming the smallest
             total per device and the changes that would fit.
         memory_budget: With ``shard_size="auto"``: bytes each rank may use, an int or e.g. ``"70GB"``. Default: the
             free memory of the CUDA device, the smallest over all ranks; required on CPU.
@@ -97,9 +94,9 @@ class HybridFSDPStrategy(ParallelStrategy):
             matmuls, attention and collectives are kept, the rest recomputed), or an int ``k`` (full recompute of
             every ``k``-th selected module only).
         compile: ``True``, or a dict of ``torch.compile`` keyword arguments: each FSDP unit (transformer block) is
-            compiled on its own, in place, after tensor parallelism and activation checkpointing and before
-            ``fully_shard`` (torchtitan's order); parameter and checkpoint names stay unchanged. Under tensor
-            parallelism ``dynamic=False`` unless given (DTensor fails on automatic dynamic shapes in torch 2.13).
+            compiled on its own, in place, after TP and activation checkpointing and before ``fully_shard``
+            (torchtitan's order), names unchanged. Turns transformers' KV cache off (``use_cache``). Under TP
+            ``dynamic=False`` unless given (DTensor fails on automatic dynamic shapes in torch 2.13).
         float8: ``True`` or a torchao recipe name (``"rowwise"``, the default, or ``"tensorwise"``): linear layers
             compute in float8 (the output head and dims not divisible by 16 excepted). Needs an NVIDIA GPU of
             compute capability 8.9+ and ``pip install fabric-hsdp[float8]``; refused at construction elsewhere.
@@ -111,27 +108,24 @@ class HybridFSDPStrategy(ParallelStrategy):
             ``.safetensors`` is always saved full.
         async_save: Write sharded checkpoints in the background: ``fabric.save`` returns once every rank has copied
             the chunks it writes to CPU memory (about ``1/R`` of its shards with R replicas, in buffers kept across
-            saves, pinned on CUDA; the copies are issued on a side stream there), and training goes on
-            while DCP writes them. The checkpoint appears at its path atomically when written everywhere, as with a
-            blocking save. The next save or load, ``wait_for_checkpoint()`` and ``teardown()`` wait for it and raise
-            its failure on every rank; at interpreter exit a pending save is finished, and a failed one exits with
-            status 1. Full checkpoints are always written before ``fabric.save`` returns.
+            saves; pinned, and copied on a side stream, on CUDA) and training goes on while DCP writes them; the
+            checkpoint appears atomically when written everywhere. The next save or load, ``wait_for_checkpoint()``
+            and ``teardown()`` wait for it and raise its failure on every rank; at interpreter exit a pending save is
+            finished, a failed one exits with status 1. Full checkpoints are written before ``fabric.save`` returns.
         load_mode: How ``fabric.load``/``fabric.load_raw`` read a consolidated file (a raw state dict, a Fabric full
             checkpoint, safetensors, a Hugging Face directory): ``"slice"`` (default: every rank reads only its own
             shard's elements), ``"turns"`` (the local ranks of a node read one after another, ``load_turn_size`` at a
             time; for files that cannot be memory-mapped) or ``"rank0"`` (only rank 0 reads, tensors are sent out one
             at a time; for a file on one machine only). Override per call with ``strategy.load_raw(...)``.
         load_turn_size: Ranks per node that read at once in ``load_mode="turns"``.
-        split_replica_reads: When loading under HSDP (a sharded checkpoint, or a raw one in ``load_mode`` ``"slice"``
-            or ``"turns"``), the R replicas of each shard read 1/R of it each and all-gather the rest along
-            ``replicate``: the filesystem serves the checkpoint once instead of once per replica, and the network
-            carries the other copies. Worth it where the shared filesystem is slower than the inter-node network; off
-            by default (on CPU/gloo the gathers are slower than the reads).
-        io_timeout: Seconds (or a ``timedelta``) a rank may spend in its own checkpoint reads or writes without
-            advancing (64 MiB read, 16 MiB written) before every rank fails with a message naming that rank, its
-            host, the file and the bytes it had done; instead of the others waiting in a collective until
-            ``timeout``. Watches sharded and full saves, sharded loads and raw loads (``"slice"``/``"turns"``), and
-            a stopped store host (rank 0's process). ``None`` turns it off.
+        split_replica_reads: Loading under HSDP (sharded, or raw in ``load_mode`` ``"slice"``/``"turns"``), the R
+            replicas of a shard read 1/R of it each and all-gather the rest along ``replicate``: the filesystem serves
+            the checkpoint once, not once per replica. For a shared filesystem slower than the inter-node network;
+            off by default (on CPU/gloo the gathers are slower than the reads).
+        io_timeout: Seconds (or a ``timedelta``) a rank's checkpoint reads or writes may go without advancing (64 MiB
+            read, 16 MiB written) before every rank fails naming that rank, its host, the file and the bytes done,
+            instead of waiting in a collective until ``timeout``. Watches saves, sharded loads, raw loads
+            (``"slice"``/``"turns"``) and the store host (rank 0's process). ``None`` turns it off.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default; ``"cpu:gloo,cuda:nccl"`` on CUDA
             with ``cpu_offload``, whose shards and gradients live in CPU memory.
         timeout: Timeout of the collectives.
@@ -174,12 +168,8 @@ class HybridFSDPStrategy(ParallelStrategy):
         precision: Precision | None = None,
     ) -> None:
         self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment or environment_for(self._launched_by),
-            precision=precision,
-        )
+        environment = cluster_environment or environment_for(self._launched_by)
+        super().__init__(accelerator, parallel_devices, environment, precision, process_group_backend)
         self._levers = levers_of(
             sharded_modules=sharded_modules,
             reshard_after_forward=reshard_after_forward,
@@ -202,9 +192,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             split_replica_reads=split_replica_reads,
             io_timeout=io_timeout,
         )
-        self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._num_nodes = 1
         self._backward_sync_control = _ParallelBackwardSyncControl()
         self._sharded = ShardedModuleRegistry()
 
@@ -227,58 +215,16 @@ class HybridFSDPStrategy(ParallelStrategy):
 
     @property
     @override
-    def checkpoint_io(self) -> CheckpointIO:
-        raise NotImplementedError(f"`{type(self).__name__}` writes checkpoints itself; it has no CheckpointIO plugin.")
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        raise NotImplementedError(f"`{type(self).__name__}` does not support setting a CheckpointIO plugin.")
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self.parallel_devices is None:
-            raise RuntimeError("the strategy has no devices yet: pass it to L.Fabric(...), which assigns them")
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self._layout.sampler_kwargs(self.world_size, self.global_rank)
 
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @override
-    def _configure_launcher(self) -> None:
-        if self.cluster_environment is None:
-            raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     @override
     def setup_environment(self) -> None:
-        if self.cluster_environment is None:
-            raise RuntimeError("the strategy has no cluster environment yet: pass it to L.Fabric(...), which sets one")
-        check_launch(self._launched_by, self.cluster_environment, self.num_nodes, self.num_processes, self.local_rank)
+        check_launch(self._launched_by, self.environment, self.num_nodes, self.num_processes, self.local_rank)
         self._layout.check_device(self.root_device.type)
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         self._process_group_backend = distributed.start_processes(
-            self.cluster_environment,
+            self.environment,
             self._launched_by,
             self.root_device,
             num_nodes=self.num_nodes,
@@ -289,7 +235,13 @@ class HybridFSDPStrategy(ParallelStrategy):
         )
         backend, ranks_per_node = self._process_group_backend, self.num_processes
         self._layout.set_up(self.num_nodes, ranks_per_node, self.world_size, self.root_device, backend)
-        self._checkpoints.set_up(self._timeout)
+        self._checkpoints.set_up(
+            self._timeout,
+            broadcast=self.broadcast,
+            local_rank=self.local_rank,
+            ranks_per_node=ranks_per_node,
+            mesh=lambda: self._layout.mesh_if_built,
+        )
         atexit.register(self._end_of_process)
 
     @override
@@ -353,20 +305,6 @@ class HybridFSDPStrategy(ParallelStrategy):
         return clip_grad_norm(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 
     @override
-    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        distributed.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return distributed.broadcast_object(obj, src)
-
-    @override
     def save_checkpoint(
         self,
         path: _PATH,
@@ -382,8 +320,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint() takes no storage_options: it writes DCP itself.")
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support `filter=` when saving.")
-        with module_layout():  # the checkpoint code maps tensor parallelism's regrouped rows itself
-            self._checkpoints.save(Path(self.broadcast(Path(path).absolute())), state, self.broadcast)
+        self._checkpoints.save(path, state)
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside
@@ -392,9 +329,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         Rank 0 writes, gathering one tensor at a time; the file holds the model's own layout (also under tensor
         parallelism). Call it on every rank.
         """
-        path = Path(self.broadcast(Path(path).absolute()))
-        with module_layout():
-            self._checkpoints.save(path, _unwrap_objects(state), self.broadcast, full=True)
+        self._checkpoints.save(path, _unwrap_objects(state), full=True)
 
     def loss_parallel(self) -> AbstractContextManager:
         """The context to compute the loss and run its backward in, for ``loss_parallel=True``'s split logits.
@@ -431,14 +366,7 @@ class HybridFSDPStrategy(ParallelStrategy):
         state dict, a Fabric full checkpoint, safetensors, a Hugging Face directory, a flat DCP directory) fills the
         shards per ``load_mode``; a Fabric full checkpoint also restores the optimizers and plain values.
         """
-        if not state:
-            raise ValueError(
-                f"{type(self).__name__}.load_checkpoint needs the objects to restore, e.g."
-                " fabric.load(path, {'model': model, 'optimizer': optimizer}) or fabric.load_raw(path, model)."
-            )
-        path = Path(self.broadcast(Path(path).absolute()))
-        with module_layout():
-            return self._checkpoints.load(path, state, strict=strict, weights_only=weights_only, **self._place())
+        return self._checkpoints.load(path, state, strict=strict, weights_only=weights_only)
 
     def load_raw(
         self,
@@ -464,12 +392,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             weights_only: Unpickle with torch's safe loader; ``False`` only for trusted files.
         """
         options = {"strict": strict, "weights_only": weights_only, "key_map": key_map, "load_mode": load_mode}
-        with module_layout():
-            return self._checkpoints.load_raw(Path(path), module, **options, **self._place())
-
-    def _place(self) -> dict[str, Any]:
-        """What loads need of this rank's place: its local rank, the ranks per node, the mesh (once built)."""
-        return {"local_rank": self.local_rank, "ranks_per_node": self.num_processes, "mesh": self._layout.mesh_if_built}
+        return self._checkpoints.load_raw(Path(path), module, **options)
 
     @override
     def teardown(self) -> None:
@@ -478,17 +401,7 @@ class HybridFSDPStrategy(ParallelStrategy):
             self._checkpoints.close()
         finally:
             self._sharded.release_and_destroy()
-        if self.cluster_environment is not None:
-            self.cluster_environment.teardown()
-        # Not super().teardown(): it would touch `checkpoint_io`, which this strategy does not have.
-        self.precision.teardown()
-        if self.accelerator is not None:
-            self.accelerator.teardown()
-
-    @property
-    def precision_name(self) -> str:
-        """Fabric's precision string for this run (``"32-true"`` when no plugin has been set)."""
-        return getattr(self.precision, "precision", "32-true")
+        super().teardown()
 
     def _end_of_process(self) -> None:
         """At interpreter exit: finish a background save, then release the modules and the process group."""

@@ -1,21 +1,32 @@
 """Count the files a flow passes through and how often it re-enters one, from the source alone (``ast``, no imports).
 
-    python tools/callpath.py                      # the load_raw and save flows of ./fabric_hsdp
+    python tools/callpath.py                      # the load, load_raw and save flows of ./fabric_hsdp
     python tools/callpath.py --flow load_raw -v   # also print the walk, one call per line
     python tools/callpath.py --root /some/checkout
 
 A flow starts at a strategy method and follows every call the source names statically, depth first, each function
 once: plain names and module attributes through the imports, ``self.method``, ``ClassName(...)`` (its
 ``__init__``), ``self.attribute.method`` when ``__init__`` assigned the attribute a class of the package, and
-``variable.method(...)`` when exactly one class of the package defines ``method``. Calls made through other objects
-(a DCP planner calling back, Fabric's hooks) are not followed. A *re-entry* is a call that goes into a
-file the walk has already been in, coming from another file: a flow that reads as one way down has few.
+``variable.method(...)`` when exactly one class of the package defines ``method`` and no builtin or standard
+type has a method of that name (``match.group``, ``stream.flush`` and ``names.add`` are not the package's). Calls
+made through other objects (a DCP planner calling back, Fabric's hooks) are not followed.
+
+Three counts per flow:
+
+- *files*: the distinct files the flow passes through.
+- *re-entries*: calls that go into a file the walk has already been in, coming from another file (a shared helper
+  called from two places counts each time).
+- *back-calls*: calls into a file that is still on the call stack above the caller: a module calling into a lower
+  one and being called back by it. A flow that reads as one way down has none.
+- *up-calls*: calls from a lower layer of ``checkpoint/`` into a higher one (:data:`LAYERS`, top first).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import io
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +36,31 @@ FLOWS = {
     "load": "fabric_hsdp.strategy:HybridFSDPStrategy.load_checkpoint",
     "save": "fabric_hsdp.strategy:HybridFSDPStrategy.save_checkpoint",
 }
+
+
+LAYERS = (
+    "fabric_hsdp.strategy",
+    "fabric_hsdp.checkpoint.training",
+    "fabric_hsdp.checkpoint.writers",
+    "fabric_hsdp.checkpoint.formats",
+    "fabric_hsdp.checkpoint.core",
+)
+# Methods of the builtin and standard types a local variable may hold: a call of one of these names is not taken for
+# the package's one class defining it.
+_FOREIGN_METHODS = frozenset(
+    name
+    for kind in (dict, list, set, str, bytes, tuple, Path, io.BufferedWriter, io.TextIOWrapper, type(re.match("", "")))
+    for name in dir(kind)
+    if not name.startswith("__")
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of ``module``'s layer (0 the top), ``None`` for a module outside them."""
+    for index, layer in enumerate(LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return index
+    return None
 
 
 @dataclass
@@ -81,13 +117,18 @@ class Walk:
         self.seen: set[str] = set()
         self.files: list[str] = []  # distinct files, in the order first entered
         self.reentries: list[str] = []
+        self.back_calls: list[str] = []  # "caller -> callee" into a file still on the stack
+        self.up_calls: list[str] = []  # "caller -> callee" from a lower layer into a higher one
+        self.stack: list[str] = []  # the files of the calls being walked, outermost first
         self.lines: list[str] = []
         owners: dict[str, list[str]] = {}
         for module in modules.values():
             for qualname in module.functions:
                 if "." in qualname:
                     owners.setdefault(qualname.split(".")[1], []).append(f"{module.name}:{qualname}")
-        self.unique_methods = {name: found[0] for name, found in owners.items() if len(found) == 1}
+        self.unique_methods = {
+            name: found[0] for name, found in owners.items() if len(found) == 1 and name not in _FOREIGN_METHODS
+        }
 
     def resolve(self, target: str) -> str | None:
         """``module:qualname`` of a function defined in the package, following re-exports; ``None`` if none."""
@@ -150,19 +191,28 @@ class Walk:
     def file_of(self, target: str) -> str:
         return str(self.modules[target.partition(":")[0]].file)
 
-    def run(self, target: str, caller_file: str | None = None, depth: int = 0) -> None:
+    def run(self, target: str, caller: str | None = None, depth: int = 0) -> None:
+        file = self.file_of(target)
+        caller_file = self.file_of(caller) if caller else None
+        if file != caller_file and caller is not None:
+            if file in self.stack:
+                self.back_calls.append(f"{caller} -> {target}")
+            above, below = layer_of(caller.partition(":")[0]), layer_of(target.partition(":")[0])
+            if above is not None and below is not None and below < above:
+                self.up_calls.append(f"{caller} -> {target}")
         if target in self.seen:
             return
         self.seen.add(target)
-        file = self.file_of(target)
         if file != caller_file:
             if file in self.files:
                 self.reentries.append(file)
             else:
                 self.files.append(file)
         self.lines.append(f"{'  ' * depth}{target}")
+        self.stack.append(file)
         for callee in self.callees(target):
-            self.run(callee, file, depth + 1)
+            self.run(callee, target, depth + 1)
+        self.stack.pop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="print the walk")
     args = parser.parse_args(argv)
     modules = load_package(args.root)
-    for flow in args.flow or ["load_raw", "save"]:
+    for flow in args.flow or sorted(FLOWS):
         walk = Walk(modules)
         walk.run(FLOWS[flow])
         if args.verbose:
@@ -183,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         ranked = sorted(again.items(), key=lambda item: -item[1])
         worst = ", ".join(f"{Path(file).relative_to(args.root)} x{count}" for file, count in ranked)
         print(f"{flow}: {len(walk.files)} files, {len(walk.reentries)} re-entries ({worst or 'none'})")
+        print(f"  {len(walk.back_calls)} back-calls, {len(walk.up_calls)} up-calls between checkpoint layers")
+        for call in walk.back_calls:
+            print(f"    back: {call}")
+        for call in walk.up_calls:
+            print(f"    up: {call}")
     return 0
 
 

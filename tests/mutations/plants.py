@@ -315,4 +315,17 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/checkpoint/test_torch_chunk.py::test_layout_matches_torch_load",),
     ),
+    "21a": Plant(
+        "the load and save flows go one way down (#21)",
+        "the commit in the core calls back into the training path (state.plain_values) after committing",
+        (
+            (
+                "    log_throughput(verb, path, time.monotonic() - started)\n",
+                "    log_throughput(verb, path, time.monotonic() - started)\n"
+                "    from fabric_hsdp.checkpoint.training.state import plain_values\n\n"
+                "    plain_values({})\n",
+            ),
+        ),
+        ("tests/test_callpath.py::test_the_package_flows_go_one_way_down[save]",),
+    ),
 }

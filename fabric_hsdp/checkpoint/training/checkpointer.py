@@ -1,9 +1,10 @@
 """What the strategy's ``save_checkpoint``/``load_checkpoint``/``load_raw`` do, with the settings it was given.
 
 One :class:`Checkpointer` per strategy, as torchtitan's ``CheckpointManager``: it holds the background saves (and
-so the one save in flight) and the I/O watchdog, picks the way down for each call (a full file, a sharded save in
-the foreground or the background, a sharded load, a raw load plus a full checkpoint's extras), and decides the
-unpickling rule (``weights_only``) once per call. The strategy's hooks only pass their arguments on.
+so the one save in flight) and the I/O watchdog, knows this rank's place (local rank, ranks per node, the mesh),
+agrees on the path across ranks, picks the way down for each call (a full file, a sharded save in the foreground or
+the background, a sharded load, a raw load plus a full checkpoint's extras), and decides the unpickling rule
+(``weights_only``) once per call. The strategy's hooks only pass their arguments on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fabric_hsdp.checkpoint.training.full_gather import save_full
 from fabric_hsdp.checkpoint.training.raw_load import LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.training.sharded import find_sharded, load_sharded, save_sharded
 from fabric_hsdp.checkpoint.training.state import state_parts
+from fabric_hsdp.tensor_parallel.fused_rows import module_layout
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -39,7 +41,8 @@ class Checkpointer:
     """A strategy's checkpoints (the arguments are the strategy's, documented there).
 
     Call :meth:`set_up` once the default process group exists, and :meth:`close` or :meth:`finish_at_exit` at the
-    end. Every method that saves or loads is a collective: call it on every rank.
+    end. Every method that saves or loads is a collective: call it on every rank. Each runs in tensor parallelism's
+    ``module_layout()``: the checkpoint code maps the regrouped rows of fused parameters itself.
     """
 
     def __init__(
@@ -58,43 +61,62 @@ class Checkpointer:
         self.split_replica_reads = split_replica_reads
         self._watchdog = IOWatchdog(io_timeout)
         self._background = BackgroundSaves(enabled=async_save, watchdog=self._watchdog)
+        self._broadcast: Callable[[Any], Any] = lambda obj: obj
+        self._place: dict[str, int] = {"local_rank": 0, "ranks_per_node": 1}
+        self._mesh: Callable[[], Any] = lambda: None
 
-    def set_up(self, timeout: Any) -> None:
+    def set_up(
+        self,
+        timeout: Any,
+        *,
+        broadcast: Callable[[Any], Any],
+        local_rank: int,
+        ranks_per_node: int,
+        mesh: Callable[[], Any],
+    ) -> None:
+        """Once the processes exist: the collectives' ``timeout``, rank 0's ``broadcast`` of an object, this rank's
+        place, and ``mesh()`` giving the strategy's mesh once built (``None`` before; ``shard_size="auto"`` builds it
+        at ``setup_module``)."""
         self._background.set_up(timeout)
+        self._broadcast, self._mesh = broadcast, mesh
+        self._place = {"local_rank": local_rank, "ranks_per_node": ranks_per_node}
 
-    def save(self, path: Path, state: dict[str, Any], broadcast: Callable[[Any], Any], *, full: bool = False) -> None:
-        """Write ``state`` at ``path``: one full file (``full``, ``state_dict_type="full"`` or a ``.safetensors``
-        path), else a sharded DCP directory, in the background with ``async_save``."""
+    def agreed_path(self, path: Any) -> Path:
+        """Rank 0's ``path``, made absolute: every rank writes and reads the same files."""
+        return Path(self._broadcast(Path(path).absolute()))
+
+    def save(self, path: Path, state: dict[str, Any], *, full: bool = False) -> None:
+        """Write ``state`` at rank 0's ``path``: one full file (``full``, ``state_dict_type="full"`` or a
+        ``.safetensors`` path), else a sharded DCP directory, in the background with ``async_save``."""
+        path = self.agreed_path(path)
         self.wait()
-        with self._watchdog.watch(f"saving checkpoint '{path}'"):
+        with module_layout(), self._watchdog.watch(f"saving checkpoint '{path}'"):
             if full or self.state_dict_type == "full" or path.suffix == ".safetensors":
                 save_full(path, state)  # rank 0 writes; the others wait in its gathers
                 return
             background = self._background if self._background.enabled else None
-            save_sharded(path, state, broadcast, background)
+            save_sharded(path, state, self._broadcast, background)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure on every rank."""
         self._background.wait()
 
-    def load(
-        self,
-        path: Path,
-        state: nn.Module | Optimizer | dict[str, Any],
-        *,
-        strict: bool,
-        weights_only: bool | None,
-        mesh: Any,
-        local_rank: int,
-        ranks_per_node: int,
-    ) -> dict[str, Any]:
-        """Restore ``state`` in place from a sharded checkpoint or any consolidated format; return what is left."""
+    def load(self, path: Path, state: Any, *, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """Restore ``state`` (a module, or a dict of a model, optimizers and plain values) in place from rank 0's
+        ``path``, a sharded checkpoint or any consolidated format; return what is left."""
+        if not state:
+            raise ValueError(
+                "HybridFSDPStrategy.load_checkpoint needs the objects to restore, e.g."
+                " fabric.load(path, {'model': model, 'optimizer': optimizer}) or fabric.load_raw(path, model)."
+            )
+        path = self.agreed_path(path)
+        with module_layout():
+            return self._load(path, state, strict=strict, safe=weights_only is not False)  # None: the safe loader
+
+    def _load(self, path: Path, state: nn.Module | Optimizer | dict[str, Any], *, strict: bool, safe: bool) -> Any:
         self.wait()
-        safe = weights_only is not False  # Fabric's default (None) is the safe loader
-        raw = {"strict": strict, "weights_only": safe, "local_rank": local_rank, "ranks_per_node": ranks_per_node}
-        raw["mesh"] = mesh
         if isinstance(state, nn.Module):
-            self.load_raw(path, state, **raw)
+            self.load_raw(path, state, strict=strict, weights_only=safe)
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(
@@ -103,10 +125,10 @@ class Checkpointer:
         model_key, model, optimizers, plain = state_parts(state)
         sharded, metadata = find_sharded(path, model_key, weights_only=safe)
         if sharded:
-            split_mesh = mesh if self.split_replica_reads else None
+            split_mesh = self._mesh() if self.split_replica_reads else None
             with self._watchdog.watch(f"loading checkpoint '{path}'"):
                 return load_sharded(path, state, strict, safe, split_mesh=split_mesh, metadata=metadata)
-        self.load_raw(path, model, **raw)
+        self.load_raw(path, model, strict=strict, weights_only=safe)
         requested, remainder = restore_extras(path, model, optimizers, set(plain), strict=strict, weights_only=safe)
         _move_state_into(source=requested, destination=state, keys=set(requested))
         return remainder
@@ -118,15 +140,12 @@ class Checkpointer:
         *,
         strict: bool,
         weights_only: bool,
-        local_rank: int,
-        ranks_per_node: int,
-        mesh: Any = None,
         key_map: KeyMapSpec = None,
         load_mode: str | None = None,
     ) -> LoadResult:
         """Fill ``module``'s shards from a consolidated checkpoint (see ``HybridFSDPStrategy.load_raw``)."""
         self.wait()
-        with self._watchdog.watch(f"loading '{path}'"):
+        with module_layout(), self._watchdog.watch(f"loading '{path}'"):
             result = load_into_model(
                 path,
                 getattr(module, "module", module),
@@ -135,9 +154,8 @@ class Checkpointer:
                 load_mode=validate_load_mode(load_mode or self.load_mode),
                 turn_size=self.load_turn_size,
                 weights_only=weights_only,
-                local_rank=local_rank,
-                ranks_per_node=ranks_per_node,
-                split_mesh=mesh if self.split_replica_reads else None,
+                **self._place,
+                split_mesh=self._mesh() if self.split_replica_reads else None,
             )
         if not strict and (result.missing or result.unexpected):
             rank_zero_warn(
