@@ -40,10 +40,10 @@ PLANTS: dict[str, Plant] = {
         "every save over an existing checkpoint raises (the old checkpoint stays: 'old XOR new' held before)",
         (
             (
-                "    staged = Path(broadcast(commit.staging_path(path)))\n",
-                "    staged = Path(broadcast(commit.staging_path(path)))\n"
-                "    if path.exists():\n"
-                "        raise OSError('planted: saving over a checkpoint fails')\n",
+                "        self.staged = Path(broadcast(staging_path(path)))\n",
+                "        self.staged = Path(broadcast(staging_path(path)))\n"
+                "        if path.exists():\n"
+                "            raise OSError('planted: saving over a checkpoint fails')\n",
             ),
         ),
         ("tests/checkpoint/test_save_load.py::test_killed_saves_leave_old_or_new_checkpoint",),
@@ -278,14 +278,15 @@ PLANTS: dict[str, Plant] = {
         "save_full runs outside the watch: rank 0's stuck write leaves the others in its gathers",
         (
             (
-                "        with self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
+                "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
                 '            if full or self.state_dict_type == "full" or path.suffix == ".safetensors":\n'
                 "                save_full(path, state)  # rank 0 writes; the others wait in its gathers\n"
                 "                return\n",
                 '        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":  # planted\n'
-                "            save_full(path, state)\n"
+                "            with module_layout():\n"
+                "                save_full(path, state)\n"
                 "            return\n"
-                "        with self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
+                "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
             ),
         ),
         (

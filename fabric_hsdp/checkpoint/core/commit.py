@@ -6,6 +6,7 @@ yet), then deletes the previous checkpoint that the swap moved into the staging 
 therefore leaves at ``path`` either the previous checkpoint or the new one. Filesystems without ``RENAME_EXCHANGE``
 fall back to two renames, with the previous checkpoint parked as ``.NAME.previous-<id>`` in between.
 
+:class:`StagedSave` is one sharded save's staging directory from its creation to its commit or discard.
 :func:`atomic_output` gives single-process writers (conversion, full exports) the same guarantee for a file or a
 directory: they write into a hidden sibling, which is fsync'ed and renamed into place only on success.
 """
@@ -21,9 +22,10 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.progress import log_throughput
@@ -108,6 +110,52 @@ def commit_and_log(staged: Path, path: Path, started: float, verb: str) -> None:
     except OSError as error:
         raise write_error(path, error) from None
     log_throughput(verb, path, time.monotonic() - started)
+
+
+class StagedSave:
+    """The staging directory of one sharded save of ``path``: every rank writes into it, rank 0 creates it, commits it
+    to ``path`` once all have written, or discards it (leaving the previous checkpoint at ``path`` untouched).
+
+    ``broadcast`` hands rank 0's object to every rank (its staging name is the one all write into). The methods
+    that change the directory act on rank 0 only: call them on every rank, each at the same point.
+    """
+
+    def __init__(self, path: Path, broadcast: Callable[[Any], Any], rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        self.staged = Path(broadcast(staging_path(path)))
+        self.started = time.monotonic()
+
+    def create(self, write_marker: Callable[[Path], None]) -> None:
+        """Rank 0: clean up after killed saves of ``path``, make the directory and ``write_marker(directory)``, the
+        file every rank then checks for (:meth:`check_shared`). An ``OSError`` becomes a ``SaveError`` naming
+        ``path``, not the hidden directory."""
+        if self.rank != 0:
+            return
+        try:
+            remove_leftovers(self.path)
+            self.staged.mkdir(parents=True)
+        except OSError as error:
+            raise write_error(self.path, error, creating=True) from None
+        try:
+            write_marker(self.staged)
+        except OSError as error:
+            discard(self.staged)
+            raise write_error(self.path, error) from None
+
+    def check_shared(self, marker: str) -> None:
+        """Raise unless this rank sees ``marker`` that rank 0 wrote (see :func:`check_shared`)."""
+        check_shared(self.staged / marker, self.path)
+
+    def commit(self, verb: str) -> None:
+        """Rank 0, once every rank has written: the atomic commit, then the save's size and throughput logged."""
+        if self.rank == 0:
+            commit_and_log(self.staged, self.path, self.started, verb)
+
+    def discard(self) -> None:
+        """Rank 0: delete the staging directory of a save that failed."""
+        if self.rank == 0:
+            discard(self.staged)
 
 
 def commit(staged: Path, path: Path) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +25,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.core import commit
 from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
+from fabric_hsdp.checkpoint.core.commit import StagedSave
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
 from fabric_hsdp.checkpoint.core.tree import map_tree
@@ -82,15 +81,16 @@ class BackgroundSaves:
             return True
         return False
 
-    def start(self, tensors: dict[str, Any], staged: Path, path: Path, started: float) -> None:
-        """Copy the chunks of ``tensors`` this rank writes into :attr:`stager`'s buffers, then write them to
-        ``staged`` in a thread and commit it to ``path`` after; it is the save in flight until :meth:`wait`.
+    def start(self, tensors: dict[str, Any], save: StagedSave) -> None:
+        """Copy the chunks of ``tensors`` this rank writes into :attr:`stager`'s buffers, then write them into
+        ``save``'s staging directory in a thread and commit it after; it is the save in flight until :meth:`wait`.
         A collective (the staging plan, then the copy's agreement): call it on every rank, after :meth:`wait`."""
+        path = save.path
         written = self.stager.plan(tensors, self.group)
         with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
             copies: Staged = self.stager.copy(tensors, written)
         watch = self._watchdog.start(f"saving checkpoint '{path}' in the background") if self._watchdog else None
-        self._pending = start(copies.state, staged, path, self.group, started, ready=copies.ready, watch=watch)
+        self._pending = start(copies.state, save, self.group, ready=copies.ready, watch=watch)
 
     def close(self) -> None:
         self.group = None
@@ -100,12 +100,10 @@ class BackgroundSaves:
 class BackgroundSave:
     """One save in flight: DCP's upload future, and the commit rank 0 runs when it has finished on every rank."""
 
-    def __init__(self, future: Future, staged: Path, path: Path, started: float, watch: Any = None) -> None:
-        self.path = path
+    def __init__(self, future: Future, save: StagedSave, watch: Any = None) -> None:
+        self.path = save.path
         self._watch = watch  # the I/O watchdog's watch over this save's writes, stopped when it ends
-        self._staged = staged
-        self._started = started
-        self._rank = dist.get_rank()
+        self._save = save
         self._done = threading.Event()
         self._error: BaseException | None = None
         future.add_done_callback(self._finish)  # runs in DCP's writing thread (or here, if already done)
@@ -113,12 +111,10 @@ class BackgroundSave:
     def _finish(self, future: Future) -> None:
         try:
             future.result()
-            if self._rank == 0:
-                commit.commit_and_log(self._staged, self.path, self._started, "saved in the background")
+            self._save.commit("saved in the background")
         except BaseException as error:  # noqa: BLE001 - kept and raised on the main thread by wait()
             self._error = error
-            if self._rank == 0:
-                commit.discard(self._staged)  # the previous checkpoint is untouched
+            self._save.discard()  # the previous checkpoint is untouched
         finally:
             if self._watch is not None:
                 self._watch.stop()
@@ -139,16 +135,8 @@ class BackgroundSave:
             self.wait(together=False)
 
 
-def start(
-    copies: dict[str, Any],
-    staged: Path,
-    path: Path,
-    group: Any,
-    started: float,
-    ready: Any = None,
-    watch: Any = None,
-) -> BackgroundSave:
-    """Start writing ``copies`` (staged CPU copies) to ``staged`` in a thread; commit it to ``path`` after.
+def start(copies: dict[str, Any], save: StagedSave, group: Any, ready: Any = None, watch: Any = None) -> BackgroundSave:
+    """Start writing ``copies`` (staged CPU copies) into ``save``'s staging directory in a thread; commit it after.
 
     ``ready``: called in the writing thread before the copies are read (the staging's CUDA event).
     """
@@ -156,12 +144,12 @@ def start(
 
     future = dcp.async_save(
         copies,
-        storage_writer=DirectWriter(staged, before_write=ready),
+        storage_writer=DirectWriter(save.staged, before_write=ready),
         planner=SavePlanner(),
         process_group=group,
         async_stager=_AlreadyStaged(),
     )
-    return BackgroundSave(future, staged, path, started, watch)
+    return BackgroundSave(future, save, watch)
 
 
 def copy_to_cpu(value: Any) -> Any:

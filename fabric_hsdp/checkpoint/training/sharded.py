@@ -30,7 +30,7 @@ from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
 from fabric_hsdp.checkpoint.training import background, optimizer_state, replica_split
 from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
-from fabric_hsdp.errors import CheckpointError, write_error
+from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
 
 
@@ -49,39 +49,25 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_key, model, optimizers, plain = state_parts(state)
-    rank = dist.get_rank()
-    staged = Path(broadcast(commit.staging_path(path)))
-    started = time.monotonic()
+    save = commit.StagedSave(path, broadcast, dist.get_rank())
     with fail_together(f"preparing to save checkpoint '{path}'"):
-        if rank == 0:
-            try:
-                commit.remove_leftovers(path)
-                staged.mkdir(parents=True)
-            except OSError as error:  # the user's path in the message, not the hidden staging directory
-                raise write_error(path, error, creating=True) from None
-            try:
-                _save_meta(plain_values(plain), staged / META_FILE)
-            except OSError as error:
-                commit.discard(staged)
-                raise write_error(path, error) from None
+        save.create(lambda directory: _save_meta(plain_values(plain), directory / META_FILE))
     tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         tensors[key] = get_optimizer_state_dict(model, optimizer)
     tensors, _ = in_stored_layout(tensors, model)
     try:
         with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
-            commit.check_shared(staged / META_FILE, path)
+            save.check_shared(META_FILE)
         if background_saves is not None:
-            background_saves.start(tensors, staged, path, started)
+            background_saves.start(tensors, save)
             return
         with fail_together(f"saving checkpoint '{path}'"):
-            _save_dcp(tensors, staged, path)
+            _save_dcp(tensors, save.staged, path)
         with fail_together(f"committing checkpoint '{path}'"):
-            if rank == 0:
-                commit.commit_and_log(staged, path, started, "saved")
+            save.commit("saved")
     except BaseException:
-        if rank == 0:
-            commit.discard(staged)  # the previous checkpoint at `path` is untouched
+        save.discard()  # the previous checkpoint at `path` is untouched
         raise
 
 
