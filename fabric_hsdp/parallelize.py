@@ -24,8 +24,8 @@ from fabric_hsdp.float8 import Float8Spec, apply_float8, validate_float8
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards
 from fabric_hsdp.sharding import (
+    FSDPSettings,
     ModulePolicy,
-    ShardingPlan,
     apply_fsdp,
     is_sharded,
     mixed_precision_policy,
@@ -133,7 +133,7 @@ def set_up_module(
                 f"{type(module).__name__} was already sharded with fully_shard. Pass the plain model to"
                 " fabric.setup_module(model); HybridFSDPStrategy applies fully_shard itself."
             )
-        sharding = ShardingPlan(
+        sharding = FSDPSettings(
             sharded_modules=levers.sharded_modules,
             reshard_after_forward=levers.reshard_after_forward,
             mp_policy=mixed_precision_policy(precision),
@@ -152,11 +152,11 @@ def set_up_module(
     return module
 
 
-def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, levers: Levers) -> list[str]:
+def parallelize(module: nn.Module, mesh: ParallelMesh, settings: FSDPSettings, levers: Levers) -> list[str]:
     """Apply every lever to ``module`` in place, then shard it; return the names of the FSDP units."""
     from fabric_hsdp.tensor_parallel import apply_tensor_parallel
 
-    units = sharded_units(module, plan.sharded_modules)  # the transformer blocks, before anything wraps them
+    units = sharded_units(module, settings.sharded_modules)  # the transformer blocks, before anything wraps them
     if levers.float8 is not None:
         apply_float8(module, levers.float8)
     if mesh.tensor is not None:
@@ -180,7 +180,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, lever
             options.setdefault("dynamic", False)
         levers.compiled = apply_compile(units, options)
         disable_kv_cache(module, "torch.compile")
-    apply_fsdp(module, units, mesh.fsdp, plan)
+    apply_fsdp(module, units, mesh.fsdp, settings)
     return [name for name, _ in units]
 
 

@@ -83,7 +83,7 @@ def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> O
 
 
 @dataclass
-class ShardingPlan:
+class FSDPSettings:
     """Everything ``apply_fsdp`` needs besides the model, its units and the mesh."""
 
     sharded_modules: Callable[[str, nn.Module], bool] | None  # None: the layers of the model's nn.ModuleLists
@@ -115,15 +115,15 @@ def sharded_units(
     return units
 
 
-def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: DeviceMesh, plan: ShardingPlan) -> None:
+def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: DeviceMesh, settings: FSDPSettings) -> None:
     """``fully_shard`` every unit bottom-up, then the root, over ``mesh`` (the ``(replicate, shard)`` mesh)."""
     from torch.distributed.fsdp import fully_shard
 
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
-    if plan.mp_policy is not None:
-        kwargs["mp_policy"] = plan.mp_policy
-    if plan.offload_policy is not None:
-        kwargs["offload_policy"] = plan.offload_policy
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward}
+    if settings.mp_policy is not None:
+        kwargs["mp_policy"] = settings.mp_policy
+    if settings.offload_policy is not None:
+        kwargs["offload_policy"] = settings.offload_policy
     # Children first: an FSDP unit manages the parameters not already owned by a unit below it.
     for _, child in reversed(units):
         fully_shard(child, **kwargs)

@@ -33,8 +33,8 @@ def candidate_layouts(
     return layouts
 
 
-def describe(topology: Topology) -> str:
-    """One line, e.g. ``shard_size=8 (one node), mesh (2, 8)``."""
+def layout_summary(topology: Topology) -> str:
+    """One line, e.g. ``shard_size=8 (one node), mesh (2, 8)`` (``Topology.describe()`` is the log's paragraph)."""
     if topology.shard_size == topology.world_size:
         span = "all ranks"
     elif topology.shard_size >= topology.ranks_per_node:

@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from fabric_hsdp.errors import NoLayoutFitsError
-from fabric_hsdp.planning.layout import candidate_layouts, describe
+from fabric_hsdp.planning.layout import candidate_layouts, layout_summary
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
 from fabric_hsdp.planning.throughput import DEFAULT_COMPUTE_EFFICIENCY, Throughput, parse_flops, throughput
@@ -179,7 +179,7 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
     sizes = None if tensor_parallel_size is None else [tensor_parallel_size]
     cluster, training = plan.cluster, plan.training
     if not plan.rows:
-        reasons = "; ".join(f"{describe(layout)}: {why}" for layout, why in plan.skipped) or "none"
+        reasons = "; ".join(f"{layout_summary(layout)}: {why}" for layout, why in plan.skipped) or "none"
         return NoLayoutFitsError(f"no layout of {plan.model.description} is valid here ({reasons}).", plan, [])
     smallest = min(plan.rows, key=lambda row: row.memory.total)
     options = _more_nodes(plan, sizes)
@@ -196,7 +196,7 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
         f"no layout fits {format_bytes(plan.usable_memory)} per device ({format_bytes(cluster.device_memory)} less a"
         f" {plan.safety_margin:.0%} safety margin) for {plan.model.description} with {training.precision},"
         f" {training.workload.optimizer}: the smallest total is {format_bytes(memory.total)} per device with"
-        f" {describe(smallest.layout)} (parameters {format_bytes(memory.parameters)}, gradients"
+        f" {layout_summary(smallest.layout)} (parameters {format_bytes(memory.parameters)}, gradients"
         f" {format_bytes(memory.gradients)}, optimizer {format_bytes(memory.optimizer)}, gathered"
         f" {format_bytes(memory.gathered)}, activations ~{format_bytes(memory.activations)})."
     )
@@ -243,7 +243,7 @@ def _more_nodes(plan: Plan, sizes: list[int] | None) -> list[str]:
 
 def _fit_summary(row: LayoutPlan) -> str:
     host = f", {format_bytes(row.memory.host)} CPU memory per device" if row.memory.host else ""
-    return f"{describe(row.layout)}: {format_bytes(row.memory.total)} per device{host}"
+    return f"{layout_summary(row.layout)}: {format_bytes(row.memory.total)} per device{host}"
 
 
 def ranking_cost(row: LayoutPlan, timed: bool) -> float:
@@ -292,7 +292,8 @@ def _reason(plan: Plan, row: LayoutPlan) -> str:
     if layout.tensor_parallel_size > 1:
         why += f"; tensor_parallel_size={layout.tensor_parallel_size}: no layout with less tensor parallelism fits"
         why += "" if layout.num_nodes == 1 and not timed else " with as little cost per token"
-    return f"{describe(layout)} {fits} {why}" if layout.num_nodes > 1 or timed else f"{describe(layout)} {fits}: {why}"
+    separator = " " if layout.num_nodes > 1 or timed else ": "
+    return f"{layout_summary(layout)} {fits}{separator}{why}"
 
 
 def _seconds(count: float, bandwidth: float | str | None) -> float | None:

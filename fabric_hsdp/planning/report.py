@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fabric_hsdp.planning.layout import describe
+from fabric_hsdp.planning.layout import layout_summary
 from fabric_hsdp.planning.plan import LayoutPlan, Plan
 from fabric_hsdp.planning.throughput import DEFAULT_DEVICE_FLOPS
 from fabric_hsdp.units import format_bytes, format_seconds
@@ -81,7 +81,7 @@ def plan_table(plan: Plan) -> str:
             f" state per device in CPU memory ({format_bytes(host * cluster.devices_per_node)} per node)"
         )
     for layout, reason in plan.skipped:
-        lines.append(f"skipped: {describe(layout)}: {reason}")
+        lines.append(f"skipped: {layout_summary(layout)}: {reason}")
     lines.append(ACTIVATIONS_NOTE)
     lines.append(
         "  DP: data-parallel ranks (world / TP); tokens/step: DP x micro-batch x seq_len; inter-node/step: bytes the"

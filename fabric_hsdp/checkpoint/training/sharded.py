@@ -101,7 +101,7 @@ def load_sharded(
     path: Path,
     state: dict[str, Any],
     strict: bool,
-    weights_only: bool | None,
+    weights_only: bool,
     split_mesh: Any = None,
     metadata: Any = None,
 ) -> dict[str, Any]:
@@ -123,9 +123,8 @@ def load_sharded(
         set_optimizer_state_dict,
     )
 
-    safe = weights_only is not False
     with fail_together(f"opening checkpoint '{path}'"):
-        metadata = check_complete(path, weights_only=safe, metadata=metadata)
+        metadata = check_complete(path, weights_only=weights_only, metadata=metadata)
         model_key, model, optimizers, plain = state_parts(state)
         saved_keys = top_level_keys(metadata)
         wanted = [model_key, *optimizers]
@@ -145,7 +144,7 @@ def load_sharded(
         targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, fused_rows_of(model))
     else:
         (targets, replaced), splits = in_stored_layout(tensors, model), []
-    planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=safe)
+    planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=weights_only)
     try:
         dcp.load(targets, storage_reader=OneCopyReader(path, metadata), planner=planner)
     except CheckpointException as error:
@@ -156,7 +155,7 @@ def load_sharded(
     for key, optimizer in optimizers.items():
         set_optimizer_state_dict(model, optimizer, targets[key])
     meta_file = path / META_FILE
-    meta = torch.load(meta_file, weights_only=safe) if meta_file.exists() else {}
+    meta = torch.load(meta_file, weights_only=weights_only) if meta_file.exists() else {}
     _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
     _move_state_into(source=meta, destination=state, keys=set(plain))
     if dist.get_rank() == 0:
