@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.planning.memory import Training, Workload
 from fabric_hsdp.planning.model import model_shape_of_module
-from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN, Cluster, Plan, make_plan, no_fit_error
+from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN, Cluster, Plan, make_plan, recommended_layout
 from fabric_hsdp.planning.report import plan_table
 from fabric_hsdp.topology import Topology, validate_shard_size
 from fabric_hsdp.units import format_bytes, parse_bytes
@@ -201,9 +201,7 @@ def auto_topology(
     cluster = Cluster(num_nodes, ranks_per_node, budget, backend="gloo" if backend == "gloo" else "nccl")
     model = model_shape_of_module(module, tensor_parallel_plan=tensor_parallel_plan)
     plan = make_plan(model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size])
-    if plan.recommended is None:
-        raise no_fit_error(plan, tensor_parallel_size)
-    shard_size = plan.recommended.layout.shard_size
+    shard_size = recommended_layout(plan, tensor_parallel_size).layout.shard_size
     # the plan only holds layouts Topology.resolve accepted; resolving again keeps one source of truth
     world = num_nodes * ranks_per_node
     return Topology.resolve(shard_size, num_nodes, ranks_per_node, world, tensor_parallel_size), plan

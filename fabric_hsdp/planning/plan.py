@@ -169,6 +169,11 @@ def choose_layout(
         NoLayoutFitsError: Nothing fits; the message shows the smallest total per device and what would fit.
     """
     plan = make_plan(model, cluster, training, safety_margin, [tensor_parallel_size])
+    return recommended_layout(plan, tensor_parallel_size)
+
+
+def recommended_layout(plan: Plan, tensor_parallel_size: int | None = None) -> LayoutPlan:
+    """``plan``'s recommended layout; raise :func:`no_fit_error` when it has none."""
     if plan.recommended is None:
         raise no_fit_error(plan, tensor_parallel_size)
     return plan.recommended
