@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from fabric_hsdp import CheckpointError
 from fabric_hsdp.checkpoint import TensorInfo, open_checkpoint
+from fabric_hsdp.checkpoint.core.box import Box
 from tests.checkpoint.conftest import assert_same_tensors, make_optimizer_state
 
 
@@ -218,7 +219,7 @@ def test_dcp_written_by_torch_save_to_dcp(tmp_path, state_dict):
         ]
         assert torch.equal(extras["optimizer"]["state"]["embed.weight"]["exp_avg"], torch.full((16, 8), 0.25))
         assert torch.equal(source.read_slice("embed.weight", (slice(3, 5),)), state_dict["embed.weight"][3:5])
-        assert source.chunks("embed.weight") == [([0, 0], [16, 8])]
+        assert source.chunks("embed.weight") == [Box((0, 0), (16, 8))]
 
 
 def test_hf_style_raw_keys_with_a_model_prefix_stay_raw(tmp_path):

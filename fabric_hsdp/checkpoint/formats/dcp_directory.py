@@ -88,11 +88,11 @@ class DCPSource(CheckpointSource):
                 read_dcp_box(self._reader, self._fqns[name], box.offsets, target)
         return target
 
-    def chunks(self, name: str) -> list[tuple[list[int], list[int]]]:
-        """``(offsets, sizes)`` of each stored chunk of tensor ``name`` (one per saving rank that held a piece)."""
+    def chunks(self, name: str) -> list[Box]:
+        """The box of each stored chunk of tensor ``name`` (one per saving rank that held a piece)."""
         self._check_name(name)
         entry = self.metadata.state_dict_metadata[self._fqns[name]]
-        return [(list(chunk.offsets), list(chunk.sizes)) for chunk in entry.chunks]
+        return [Box(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks]
 
     def _lazy_extras(self) -> dict[str, Any]:
         if self._extras_cache is not None:

@@ -314,6 +314,11 @@ def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool = True, fi
                 "files": [{"name": name, "bytes": size} for name, size in storage_files(Path(path))],
                 "chunked_tensors": len(split),
                 "max_chunks": max(chunk_counts.values(), default=0),
-                "example_chunks": ({"name": split[0], "chunks": checkpoint.chunks(split[0])} if split else None),
+                "example_chunks": ({"name": split[0], "chunks": _chunk_lists(checkpoint, split[0])} if split else None),
             }
     return result
+
+
+def _chunk_lists(checkpoint: Any, name: str) -> list[list[list[int]]]:
+    """``[[offsets], [sizes]]`` per stored chunk of ``name``, as the ``inspect`` JSON has them."""
+    return [[list(box.offsets), list(box.sizes)] for box in checkpoint.chunks(name)]
