@@ -21,9 +21,7 @@ from torch import nn
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.float8 import Float8Spec, apply_float8, validate_float8
-from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards
-from fabric_hsdp.sharding import (
+from fabric_hsdp.fsdp import (
     FSDPSettings,
     ModulePolicy,
     apply_fsdp,
@@ -33,6 +31,8 @@ from fabric_hsdp.sharding import (
     offload_policy,
     sharded_units,
 )
+from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards
 from fabric_hsdp.topology import validate_tensor_parallel_size
 
 if TYPE_CHECKING:

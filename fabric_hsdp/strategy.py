@@ -25,6 +25,7 @@ from fabric_hsdp import distributed
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
+from fabric_hsdp.fsdp import ModulePolicy, check_optimizer_is_sharded, parameter_names, repoint_optimizers
 from fabric_hsdp.gradients import clip_grad_norm
 from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for
 from fabric_hsdp.materialize import parameters_on_meta
@@ -32,7 +33,6 @@ from fabric_hsdp.parallelize import levers_of, set_up_module
 from fabric_hsdp.planning import auto
 from fabric_hsdp.planning.memory import Training, Workload
 from fabric_hsdp.process_group_strategy import ProcessGroupStrategy
-from fabric_hsdp.sharding import ModulePolicy, check_optimizer_is_sharded, parameter_names, repoint_optimizers
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
 from fabric_hsdp.tensor_parallel import TensorParallelPlan, loss_parallel
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fabric_hsdp.planning.memory import OPTIMIZERS, PRECISION_BYTES
+from fabric_hsdp.planning.memory import OPTIMIZERS
 from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN
+from fabric_hsdp.precision import PRECISION_DTYPES
 
 PLAN_HELP = """Which shard_size (and tensor_parallel_size) fits a model in device memory with the least traffic
 between nodes per token (with bandwidths: the shortest estimated step time per token, compute included).
@@ -34,7 +35,7 @@ def plan_parser() -> Any:
     parser.add_argument(
         "--intra_node_bandwidth", type=str | None, default=None, help="per device, e.g. 450GB/s (adds a time column)"
     )
-    parser.add_argument("--precision", type=str, default="bf16-mixed", choices=list(PRECISION_BYTES))
+    parser.add_argument("--precision", type=str, default="bf16-mixed", choices=list(PRECISION_DTYPES))
     parser.add_argument("--optimizer", type=str, default="adamw", choices=list(OPTIMIZERS), help="sgd = with momentum")
     parser.add_argument("--micro_batch_size", type=int, default=1, help="sequences per device per forward")
     parser.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence")

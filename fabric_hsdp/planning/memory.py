@@ -43,19 +43,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims
+from fabric_hsdp.precision import PRECISION_DTYPES, PrecisionDtypes, canonical_precision
 
 Optimizer = Literal["adamw", "sgd", "none"]
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "none")
-# Fabric precision -> bytes of (sharded state, compute and gathers, gradient reduction)
-PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
-    "32-true": (4, 4, 4),
-    "bf16-mixed": (4, 2, 4),
-    "16-mixed": (4, 2, 4),
-    "bf16-true": (2, 2, 2),
-    "16-true": (2, 2, 2),
-    "64-true": (8, 8, 8),
-}
-_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true", "half": "16-true"}
 _OPTIMIZER_BUFFERS = {"adamw": 2, "sgd": 1, "none": 0}
 _ADAM_STEP_BYTES = 4  # torch's AdamW keeps a float32 scalar `step` per parameter tensor
 
@@ -66,10 +57,10 @@ def validate_precision(precision: str) -> str:
     Raises:
         ValueError: Not one of the precisions ``HybridFSDPStrategy`` supports.
     """
-    precision = _PRECISION_ALIASES.get(str(precision), str(precision))
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"precision={precision!r} is not supported; choose one of: {', '.join(PRECISION_BYTES)}.")
-    return precision
+    canonical = canonical_precision(precision)
+    if canonical is None:
+        raise ValueError(f"precision={precision!r} is not supported; choose one of: {', '.join(PRECISION_DTYPES)}.")
+    return canonical
 
 
 @dataclass(frozen=True)
@@ -166,16 +157,21 @@ class Training:
         return num_layers
 
     @property
+    def dtypes(self) -> PrecisionDtypes:
+        """The dtypes of the state, compute and reduction (``dtypes.state_bytes`` etc. give their sizes)."""
+        return PRECISION_DTYPES[self.precision]
+
+    @property
     def state_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision][0]
+        return self.dtypes.state_bytes
 
     @property
     def compute_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision][1]
+        return self.dtypes.compute_bytes
 
     @property
     def reduce_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision][2]
+        return self.dtypes.reduce_bytes
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,13 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
 from fabric_hsdp.checkpoint.core.commit import StagedSave
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-from fabric_hsdp.checkpoint.core.tree import map_tree
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
 from fabric_hsdp.checkpoint.training.staging import Staged, Stager
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
@@ -152,21 +149,9 @@ def start(copies: dict[str, Any], save: StagedSave, group: Any, ready: Any = Non
     return BackgroundSave(future, save, watch)
 
 
-def copy_to_cpu(value: Any) -> Any:
-    """A copy of a nested state dict with every tensor (a DTensor's local shard) copied to CPU memory, once.
-
-    A DTensor stays a DTensor of the same mesh and placements with a CPU local shard (``DTensor.from_local`` would
-    move that shard back to the mesh's device).
-    """
-    return map_tree(value, _leaf_to_cpu, (torch.Tensor, StoredBoxes))
-
-
-def _leaf_to_cpu(leaf: torch.Tensor | StoredBoxes, path: tuple) -> torch.Tensor | StoredBoxes:
-    return leaf.copy_to_cpu() if isinstance(leaf, StoredBoxes) else leaf.detach().to("cpu", copy=True)
-
-
 class _AlreadyStaged(AsyncStager):
-    """DCP's staging step for a state dict :func:`copy_to_cpu` already copied: hand it on as it is."""
+    """DCP's staging step for a state dict :class:`~fabric_hsdp.checkpoint.training.staging.Stager` already copied:
+    hand it on as it is."""
 
     _synchronize_after_execute = False
 

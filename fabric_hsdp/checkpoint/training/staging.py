@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fabric_hsdp.checkpoint.core.boxes import Piece, StoredBoxes, pieces_of
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-from fabric_hsdp.checkpoint.core.tree import tree_leaves
+from fabric_hsdp.checkpoint.core.tree import map_tree, tree_leaves
 
 
 @dataclass
@@ -92,8 +92,6 @@ class Stager:
         return Staged(unflatten_state_dict(staged, mappings), copies.finish(), copies.nbytes)
 
     def _stage_all(self, state: dict[str, Any]) -> Staged:
-        from fabric_hsdp.checkpoint.training.background import copy_to_cpu
-
         copies = copy_to_cpu(state)
         return Staged(copies, lambda: None, _tensor_bytes(copies))
 
@@ -171,6 +169,19 @@ class _Copies:
         event.record(self._stager._copy_stream())
         torch.cuda.current_stream().wait_event(event)  # training's next kernels run after the copies, host not blocked
         return event.synchronize
+
+
+def copy_to_cpu(value: Any) -> Any:
+    """A copy of a nested state dict with every tensor (a DTensor's local shard) copied to CPU memory, once.
+
+    A DTensor stays a DTensor of the same mesh and placements with a CPU local shard (``DTensor.from_local`` would
+    move that shard back to the mesh's device).
+    """
+    return map_tree(value, _leaf_to_cpu, (torch.Tensor, StoredBoxes))
+
+
+def _leaf_to_cpu(leaf: torch.Tensor | StoredBoxes, path: tuple) -> torch.Tensor | StoredBoxes:
+    return leaf.copy_to_cpu() if isinstance(leaf, StoredBoxes) else leaf.detach().to("cpu", copy=True)
 
 
 def _tensor_bytes(tree: Any) -> int:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.precision import PRECISION_DTYPES
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -20,17 +21,6 @@ if TYPE_CHECKING:
 _logger = logging.getLogger(__name__)
 
 ModulePolicy = set[type[nn.Module]] | Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool]
-
-# Fabric precision -> (param_dtype, reduce_dtype) for FSDP2. Mixed precision keeps fp32 master shards and
-# reduces gradients in fp32; "true" half precision already built the parameters in that dtype.
-_PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
-    "bf16-mixed": (torch.bfloat16, torch.float32),
-    "16-mixed": (torch.float16, torch.float32),
-    "bf16-true": (None, None),
-    "16-true": (None, None),
-    "32-true": (None, None),
-    "64-true": (None, None),
-}
 
 
 def module_matcher(policy: ModulePolicy | None, argument: str) -> Callable[[str, nn.Module], bool] | None:
@@ -55,13 +45,15 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's policy for Fabric's ``precision=`` string."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision not in _PRECISION_DTYPES:
+    if precision not in PRECISION_DTYPES:
         raise ValueError(
             f"HybridFSDPStrategy does not support Fabric(precision={precision!r}). Choose one of:"
-            f" {', '.join(_PRECISION_DTYPES)}."
+            f" {', '.join(PRECISION_DTYPES)}."
         )
-    param_dtype, reduce_dtype = _PRECISION_DTYPES[precision]
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    dtypes = PRECISION_DTYPES[precision]
+    if not dtypes.mixed:  # "true" precisions built the parameters in their dtype: nothing to cast
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtypes.compute), reduce_dtype=getattr(torch, dtypes.reduce))
 
 
 def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> OffloadPolicy:
