@@ -102,8 +102,8 @@ PLANTS: dict[str, Plant] = {
         "bf16-mixed's MixedPrecisionPolicy gets reduce_dtype=bf16",
         (
             (
-                '    "bf16-mixed": (torch.bfloat16, torch.float32),\n',
-                '    "bf16-mixed": (torch.bfloat16, torch.bfloat16),\n',
+                '    "bf16-mixed": PrecisionDtypes("float32", "bfloat16", "float32"),\n',
+                '    "bf16-mixed": PrecisionDtypes("float32", "bfloat16", "bfloat16"),\n',
             ),
         ),
         ("tests/test_strategy.py::test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32",),
