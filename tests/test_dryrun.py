@@ -175,7 +175,10 @@ def test_plan_verify_dry_runs_the_recommended_layout(tmp_path, capsys):
     # rank 0 holds the largest shard, which is what the planner counts
     assert verify["local_parameter_bytes"] == recommended["bytes_per_device"]["parameters"]
     assert verify["planned"]["total"] == recommended["bytes_per_device"]["total"]
-    assert verify["steps"] == 1 and verify["measured_over_planned"] > 0
+    assert verify["steps"] == 1
+    # the measured peak of the step against the plan; the figure may be 0 for this tiny model (its step allocates
+    # less than the RSS freed after the load: CI measured 0.0 here once, as in the 2x4 test above)
+    assert verify["measured_over_planned"] == verify["step_peak"] / verify["planned"]["total"]
 
 
 def test_all_kinds_picks_one_rank_per_role():
