@@ -51,6 +51,18 @@ def unsafe_pickle_error(what: str, reason: str) -> CheckpointError:
     )
 
 
+def refused_pickle(file_name: str | os.PathLike, error: BaseException) -> CheckpointError:
+    """The error for a file whose pickle ``torch.load(weights_only=True)`` refused; names what it refused."""
+    reason = next((line.strip() for line in str(error).splitlines() if "WeightsUnpickler error" in line), None)
+    return unsafe_pickle_error(f"'{file_name}'", reason or first_line(error))
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name if it has none), for one-line error messages."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 

@@ -45,6 +45,20 @@ def test_resharded_load_is_exact(sharded_checkpoint, nodes, per_node, split):
         assert facts["optimizer_steps_during_load"] == 0  # its state was allocated from the checkpoint
 
 
+def test_a_damaged_meta_file_fails_the_load_with_checkpoint_error_naming_it(sharded_checkpoint, tmp_path):
+    """``meta.pt`` (the plain values beside DCP's files) is read like every other part of a checkpoint: a truncated
+    one is a ``CheckpointError`` naming the file, not torch's own unpickling error."""
+    import shutil
+
+    shutil.copytree(sharded_checkpoint, tmp_path, dirs_exist_ok=True)
+    meta = tmp_path / "ckpt" / "meta.pt"
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    result = launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path)}, num_nodes=1, ranks_per_node=2)
+    assert not result.timed_out and all(code != 0 for code in result.returncodes), result.returncodes
+    for rank in result.ranks:
+        assert f"CheckpointError: '{meta}' is truncated or damaged" in rank.stderr, rank.stderr[-3000:]
+
+
 def test_split_replica_reads_read_each_shard_once(sharded_checkpoint):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

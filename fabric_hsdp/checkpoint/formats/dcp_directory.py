@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,10 @@ from fabric_hsdp.checkpoint.core.dcp_errors import single_process_dcp
 from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.tree import map_tree
-from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete
+from fabric_hsdp.checkpoint.formats.dcp_metadata import check_complete, read_meta
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader, read_dcp_box
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
-from fabric_hsdp.checkpoint.formats.torch_file import refused_pickle
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
-from fabric_hsdp.errors import CheckpointError
 
 
 def _load(state_dict: dict[str, Any], reader: FileSystemReader, planner: LoadPlanner) -> None:
@@ -115,17 +112,7 @@ class DCPSource(CheckpointSource):
 
         entries = (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)
         extras = dict(map_tree(self._extras_skeleton, convert, entries))
-        meta_file = self.path / META_FILE
-        if meta_file.is_file():
-            try:
-                meta = torch.load(meta_file, map_location="cpu", weights_only=self._weights_only)
-            except pickle.UnpicklingError as error:
-                raise refused_pickle(str(meta_file), error) from None
-            except (RuntimeError, EOFError) as error:
-                raise CheckpointError(f"'{meta_file}' is truncated or damaged ({error})") from None
-            if not isinstance(meta, dict):
-                raise CheckpointError(f"'{meta_file}' holds a {type(meta).__name__}, expected a dict of values")
-            extras.update(meta)
+        extras.update(read_meta(self.path, weights_only=self._weights_only))
         self._extras_cache = extras
         return extras
 

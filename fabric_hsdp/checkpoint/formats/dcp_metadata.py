@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from fabric_hsdp.checkpoint.core import commit
-from fabric_hsdp.errors import CheckpointError, unsafe_pickle_error
+from fabric_hsdp.errors import CheckpointError, refused_pickle, unsafe_pickle_error
 
 META_FILE = "meta.pt"
 
@@ -69,6 +69,26 @@ def read_metadata(path: Path, *, weights_only: bool = True) -> dcp_metadata.Meta
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"'{file}' is not DCP metadata (it holds a {type(metadata).__name__})")
     return metadata
+
+
+def read_meta(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
+    """The plain values in a DCP directory's ``meta.pt`` (``{}`` when it has none), unpickled like ``.metadata``.
+
+    Raises:
+        CheckpointError: ``meta.pt`` is truncated or damaged, holds no dict, or safe loading refuses its content.
+    """
+    file = path / META_FILE
+    if not file.is_file():
+        return {}
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        raise refused_pickle(file, error) from None
+    except (RuntimeError, EOFError) as error:
+        raise CheckpointError(f"'{file}' is truncated or damaged ({error})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"'{file}' holds a {type(meta).__name__}, expected a dict of values")
+    return meta
 
 
 def check_complete(path: Path, *, weights_only: bool = True, metadata: Any = None) -> Any:

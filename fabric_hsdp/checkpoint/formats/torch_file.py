@@ -24,7 +24,7 @@ from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.tree import map_tree
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
-from fabric_hsdp.errors import CheckpointError, unsafe_pickle_error
+from fabric_hsdp.errors import CheckpointError, first_line, refused_pickle
 from fabric_hsdp.logs import warning_on_rank_zero
 
 _logger = logging.getLogger(__name__)
@@ -40,17 +40,6 @@ class _Stored:
     stride: tuple[int, ...]
     storage_offset: int
     contiguous: bool
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
-
-
-def refused_pickle(file_name: str, error: BaseException) -> CheckpointError:
-    """The error for a file whose pickle ``torch.load(weights_only=True)`` refused; names what it refused."""
-    reason = next((line.strip() for line in str(error).splitlines() if "WeightsUnpickler error" in line), None)
-    return unsafe_pickle_error(f"'{file_name}'", reason or _first_line(error))
 
 
 class TorchFileSource(CheckpointSource):
@@ -84,7 +73,7 @@ class TorchFileSource(CheckpointSource):
             reader = torch._C.PyTorchFileReader(self._file)
         except RuntimeError as error:
             raise CheckpointError(
-                f"'{self._file}' is a truncated or damaged torch file ({_first_line(error)}). Re-copy or re-save it."
+                f"'{self._file}' is a truncated or damaged torch file ({first_line(error)}). Re-copy or re-save it."
             ) from None
         records = reader.get_all_records()
         if "constants.pkl" in records:
@@ -105,9 +94,9 @@ class TorchFileSource(CheckpointSource):
         except pickle.UnpicklingError as error:
             if "Weights only load failed" in str(error):
                 raise refused_pickle(self._file, error) from None
-            raise CheckpointError(f"'{self._file}' has a damaged pickle ({_first_line(error)})") from None
+            raise CheckpointError(f"'{self._file}' has a damaged pickle ({first_line(error)})") from None
         except (RuntimeError, EOFError, ValueError, AttributeError, ImportError) as error:
-            raise CheckpointError(f"'{self._file}' could not be read as a torch file ({_first_line(error)})") from None
+            raise CheckpointError(f"'{self._file}' could not be read as a torch file ({first_line(error)})") from None
         self._fd = os.open(self._file, os.O_RDONLY)
         return obj
 
@@ -123,9 +112,9 @@ class TorchFileSource(CheckpointSource):
         except pickle.UnpicklingError as error:
             if "Weights only load failed" in str(error):
                 raise refused_pickle(self._file, error) from None
-            raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({_first_line(error)})") from None
+            raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({first_line(error)})") from None
         except (RuntimeError, EOFError, ValueError, AttributeError, ImportError) as error:
-            raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({_first_line(error)})") from None
+            raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({first_line(error)})") from None
 
     def _locate(self, name: str, tensor: torch.Tensor) -> _Stored:
         storage = tensor.untyped_storage()

@@ -25,7 +25,13 @@ from fabric_hsdp.checkpoint.core import boxes, commit
 from fabric_hsdp.checkpoint.core.dcp_errors import first_failure, save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner, SavePlanner
 from fabric_hsdp.checkpoint.core.progress import log_throughput
-from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE, check_complete, read_metadata, top_level_keys
+from fabric_hsdp.checkpoint.formats.dcp_metadata import (
+    META_FILE,
+    check_complete,
+    read_meta,
+    read_metadata,
+    top_level_keys,
+)
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
 from fabric_hsdp.checkpoint.training import background, optimizer_state, replica_split
 from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
@@ -154,8 +160,7 @@ def load_sharded(
     set_model_state_dict(model, targets[model_key], options=StateDictOptions(strict=strict))
     for key, optimizer in optimizers.items():
         set_optimizer_state_dict(model, optimizer, targets[key])
-    meta_file = path / META_FILE
-    meta = torch.load(meta_file, weights_only=weights_only) if meta_file.exists() else {}
+    meta = read_meta(path, weights_only=weights_only)
     _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
     _move_state_into(source=meta, destination=state, keys=set(plain))
     if dist.get_rank() == 0:
