@@ -94,8 +94,9 @@ class Workload:
 AC_MODES: tuple[str, ...] = ("none", "full", "selective")
 
 
-def validate_activation_checkpointing_mode(mode: str | int) -> str | int:
-    """``"none"``, ``"full"``, ``"selective"`` or a positive int k (every k-th block), as the strategy takes it.
+def parse_activation_checkpointing_mode(mode: str | int) -> str | int:
+    """The planner's mode: ``"none"``, ``"full"``, ``"selective"`` or a positive int k (every k-th block), also as
+    the text ``fabric-hsdp plan`` gets (``"2"``); the strategy's own check (no ``"none"``) is in ``parallelize``.
 
     Raises:
         ValueError: Anything else.
@@ -137,7 +138,7 @@ class Training:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", validate_precision(self.precision))
-        mode = validate_activation_checkpointing_mode(self.activation_checkpointing_mode)
+        mode = parse_activation_checkpointing_mode(self.activation_checkpointing_mode)
         object.__setattr__(self, "activation_checkpointing_mode", mode)
         if mode == "none":
             object.__setattr__(self, "activation_checkpointing", False)

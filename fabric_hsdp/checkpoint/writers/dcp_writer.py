@@ -11,22 +11,22 @@ import io
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from fabric_hsdp.checkpoint.core.commit import atomic_output
 from fabric_hsdp.checkpoint.core.dcp_errors import single_process_dcp
-from fabric_hsdp.checkpoint.core.fileio import DirectFileWriter, release_freed_memory
+from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
 from fabric_hsdp.checkpoint.core.tree import map_tree, read_lazy
 from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
+from fabric_hsdp.checkpoint.writers.direct_writer import DirectFileSystem
 from fabric_hsdp.checkpoint.writers.full_files import (
     ProgressFn,
     TensorsArg,
@@ -78,19 +78,6 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         return tensor
 
 
-class _DirectFileSystem(FileSystem):
-    """DCP's local filesystem, writing files through :class:`~fabric_hsdp.checkpoint.core.fileio.DirectFileWriter`."""
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with DirectFileWriter(path) as stream:
-            yield stream
-
-
 def save_streaming(state: dict[str, Any], path: Path, on_tensor: Callable[[int], None] | None = None) -> None:
     """``dcp.save`` of a nested state dict whose tensors may be LazyTensor, holding about one tensor in memory."""
     producers: dict[str, Any] = {}
@@ -102,7 +89,7 @@ def save_streaming(state: dict[str, Any], path: Path, on_tensor: Callable[[int],
     skeleton = map_tree(state, placeholder)
     planner = _StreamingSavePlanner(producers, on_tensor)
     writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
-    writer.fs = _DirectFileSystem()
+    writer.fs = DirectFileSystem()
     try:
         with single_process_dcp():
             dcp.save(skeleton, storage_writer=writer, planner=planner, no_dist=True)

@@ -43,7 +43,7 @@ class DirectWriter(FileSystemWriter):
         self, path: str | os.PathLike, *, thread_count: int = 1, before_write: Callable[[], None] | None = None
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
-        self.fs = _DirectFileSystem()
+        self.fs = DirectFileSystem()
         self._before_write = before_write
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -75,8 +75,9 @@ def _without_crc32() -> Iterator[None]:
                 torch.serialization.set_crc32_options(_without_crc32.previous)  # type: ignore[attr-defined]
 
 
-class _DirectFileSystem(FileSystem):
-    """DCP's local filesystem, writing files through :class:`_WatchedDirectFile`."""
+class DirectFileSystem(FileSystem):
+    """DCP's local filesystem, writing files through :class:`_WatchedDirectFile` (``O_DIRECT``, fsync'ed when
+    closed); the sharded saves' and the offline converter's DCP writers both use it."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
