@@ -172,14 +172,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, settings: FSDPSettings, l
     if levers.activation_checkpointing is not None:
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:
-        options = {} if levers.compile is True else dict(levers.compile)
-        if mesh.tensor is not None:
-            # static shapes under TP unless asked otherwise: torch 2.13's DTensor fails on the symbolic shapes that
-            # automatic dynamic brings after a shape change ("unhashable type: non-nested SymInt" in a transformers
-            # Llama's norm with sequence_parallel); a new shape recompiles instead (up to dynamo's recompile_limit)
-            options.setdefault("dynamic", False)
-        levers.compiled = apply_compile(units, options)
-        disable_kv_cache(module, "torch.compile")
+        levers.compiled = apply_compile(module, units, levers.compile, tensor_parallel=mesh.tensor is not None)
     apply_fsdp(module, units, mesh.fsdp, settings)
     return [name for name, _ in units]
 
@@ -282,16 +275,26 @@ def selective_checkpoint_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(saved_ops())
 
 
-def apply_compile(units: list[tuple[str, nn.Module]], options: dict[str, Any]) -> list[str]:
-    """``torch.compile`` each FSDP unit (transformer block) on its own, in place (``Module.compile``).
+def apply_compile(
+    module: nn.Module, units: list[tuple[str, nn.Module]], spec: CompileSpec, *, tensor_parallel: bool = False
+) -> list[str]:
+    """``torch.compile`` each FSDP unit (transformer block) of ``module`` on its own, in place (``Module.compile``),
+    with ``spec``'s options (``True``: torch's defaults); return the units' names.
 
     Compiling per block keeps graphs small and lets identical blocks share one compiled graph (dynamo inlines the
     module and treats its parameters as inputs); compiling in place keeps the module tree, so no ``_orig_mod.``
-    enters parameter names or checkpoints.
+    enters parameter names or checkpoints. Turns transformers' KV cache off (:func:`disable_kv_cache`).
     """
+    options = {} if spec is True else dict(spec)
+    if tensor_parallel:
+        # static shapes under TP unless asked otherwise: torch 2.13's DTensor fails on the symbolic shapes that
+        # automatic dynamic brings after a shape change ("unhashable type: non-nested SymInt" in a transformers
+        # Llama's norm with sequence_parallel); a new shape recompiles instead (up to dynamo's recompile_limit)
+        options.setdefault("dynamic", False)
     for _, child in units:
         child.compile(**options)
     info_on_rank_zero(_logger, "torch.compile: %d modules compiled one by one (%s)", len(units), options or "defaults")
+    disable_kv_cache(module, "torch.compile")
     return [name for name, _ in units]
 
 

@@ -84,7 +84,7 @@ def test_compile_is_per_block_in_place_and_bounded():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     blocks = [(f"transformer.h.{i}", block) for i, block in enumerate(compiled.transformer.h)]
-    assert apply_compile(blocks, {}) == ["transformer.h.0", "transformer.h.1"]
+    assert apply_compile(compiled, blocks, True) == ["transformer.h.0", "transformer.h.1"]
     assert list(compiled.state_dict()) == list(eager.state_dict())
     inputs, targets = batch(2)
     grads = []

@@ -230,7 +230,7 @@ PLANTS: dict[str, Plant] = {
     "25c": Plant(
         "compile + sequence parallel + loss parallel + selective AC together train like one process (#25)",
         "compile under TP keeps torch's automatic dynamic shapes (DTensor fails on their SymInts in HF's norm)",
-        (('            options.setdefault("dynamic", False)\n', "            pass\n"),),
+        (('        options.setdefault("dynamic", False)\n', "        pass\n"),),
         ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),
     ),
     "25b": Plant(
@@ -242,7 +242,7 @@ PLANTS: dict[str, Plant] = {
     "25d": Plant(
         "compiled transformers blocks share one graph (#25)",
         "compile leaves transformers' KV cache on (each layer recompiles on its layer_idx)",
-        (('        disable_kv_cache(module, "torch.compile")\n', ""),),
+        (('    disable_kv_cache(module, "torch.compile")\n', ""),),
         ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[1x4-mesh122]",),
     ),
     "25e": Plant(
