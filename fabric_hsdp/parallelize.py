@@ -287,9 +287,10 @@ def apply_compile(
     """
     options = {} if spec is True else dict(spec)
     if tensor_parallel:
-        # static shapes under TP unless asked otherwise: torch 2.13's DTensor fails on the symbolic shapes that
-        # automatic dynamic brings after a shape change ("unhashable type: non-nested SymInt" in a transformers
-        # Llama's norm with sequence_parallel); a new shape recompiles instead (up to dynamo's recompile_limit)
+        # static shapes under TP unless asked otherwise: DTensor failed on the symbolic shapes that automatic dynamic
+        # brings after a shape change ("unhashable type: non-nested SymInt" in a transformers Llama's norm with
+        # sequence_parallel, while the first-layer split was traced); not reproduced since (the levers test trains at
+        # a second length with it off), kept as the cautious default: a new shape recompiles (up to recompile_limit)
         options.setdefault("dynamic", False)
     for _, child in units:
         child.compile(**options)

@@ -48,6 +48,11 @@ def test_levers_train_like_one_process_and_checkpoint_like_plain(nodes, per_node
             assert graphs["unique_graphs"] >= 1 and graphs["graph_breaks"] == {}, (label, graphs)
             assert all(reason.endswith("GLOBAL_STATE changed: grad_mode ") for reason in graphs["recompiles"]), graphs
             assert max(graphs["compiles_per_code"].values()) <= 2 * graphs["models"], (label, graphs)
+    # a second sequence length: the compiled blocks (static shapes under TP) recompile and compute what eager does
+    compiled = [f"{label}/{kind}" for label, config in CONFIGS[mesh].items() if "compile" in config for kind in KINDS]
+    assert sorted(facts["lengths"]) == sorted(compiled)
+    for label, differences in facts["lengths"].items():
+        assert sorted(differences) == [8, 16] and max(differences.values()) < 1e-4, (label, differences)
     for label, result in facts["checkpoint"].items():
         assert result["orig_mod_names"] == [] and result["same_names"], (label, result)
         assert result["differ"] == {} and result["optimizer_steps"] == [1], (label, result)

@@ -1,8 +1,8 @@
 """Dry runs: a user's Fabric script as any rank of any cluster, in one process, on torch's fake process group.
 
 ``fabric-hsdp dryrun --num_nodes 16 --devices_per_node 8 --rank 77 train.py ARGS`` (see docs/dryrun.md) calls
-:func:`~fabric_hsdp.dryrun.runner.dry_run`; :func:`~fabric_hsdp.dryrun.fake.active` is the switch other modules can
-ask. Imports are lazy, so the command checks its arguments before torch loads.
+:func:`~fabric_hsdp.dryrun.runner.dry_run`; ``fabric_hsdp.dryrun.active()`` tells a
+script whether it runs as a dry run. Imports are lazy, so the command checks its arguments before torch loads.
 """
 
 from __future__ import annotations

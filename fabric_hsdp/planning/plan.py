@@ -163,7 +163,8 @@ def choose_layout(
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     tensor_parallel_size: int = 1,
 ) -> LayoutPlan:
-    """The recommended layout with ``tensor_parallel_size`` (what ``shard_size="auto"`` uses).
+    """The recommended layout with ``tensor_parallel_size``: ``shard_size="auto"`` makes the same choice (both take
+    :func:`recommended_layout` of :func:`make_plan`).
 
     Raises:
         NoLayoutFitsError: Nothing fits; the message shows the smallest total per device and what would fit.

@@ -227,12 +227,6 @@ PLANTS: dict[str, Plant] = {
         (("        finish_collectives_before_units(module, units)\n", ""),),
         ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[1x4-mesh122]",),
     ),
-    "25c": Plant(
-        "compile + sequence parallel + loss parallel + selective AC together train like one process (#25)",
-        "compile under TP keeps torch's automatic dynamic shapes (DTensor fails on their SymInts in HF's norm)",
-        (('        options.setdefault("dynamic", False)\n', "        pass\n"),),
-        ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),
-    ),
     "25b": Plant(
         "selective activation checkpointing saves the matmuls (#25)",
         "selective AC saves no op's output (recomputes the matmuls too, like full AC)",
@@ -258,6 +252,23 @@ PLANTS: dict[str, Plant] = {
             (
                 "        module.register_forward_pre_hook(torch.compiler.disable(split), with_kwargs=True)\n",
                 "        module.register_forward_pre_hook(split, with_kwargs=True)\n",
+            ),
+        ),
+        ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),
+    ),
+    "25g": Plant(
+        "a compiled tensor-parallel model run at a second sequence length computes what eager does",
+        "sequence parallel's first-layer split keeps the first length it saw (rank 1's part of a shorter one is empty)",
+        (
+            (
+                "            part = whole.redistribute(placements=[Shard(1)]).to_local()"
+                ".clone(memory_format=torch.contiguous_format)\n",
+                "            part = whole.redistribute(placements=[Shard(1)]).to_local()"
+                ".clone(memory_format=torch.contiguous_format)\n"
+                "            first = module.__dict__.setdefault('_planted_length', args[0].shape[1])\n"
+                "            if first != args[0].shape[1]:\n"
+                "                rows, rank = first // device_mesh.size(), device_mesh.get_local_rank()\n"
+                "                part = args[0][:, rank * rows : (rank + 1) * rows].contiguous()\n",
             ),
         ),
         ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),

@@ -99,6 +99,25 @@ def compile_counts() -> dict[str, Any]:
     }
 
 
+def logits_at_two_lengths(fabric: Any, kind: str) -> dict[int, float]:
+    """A compiled model run on a second sequence length (where torch's automatic dynamic shapes would recompile it
+    with symbolic ones): the largest difference of its logits from one process's, per length."""
+    from torch.distributed.tensor import DTensor
+
+    model, reference = fabric.setup_module(build(kind, seed=0)), build(kind, seed=0)
+    inputs, _ = batch(2)
+    differences = {}
+    for length in (inputs.shape[1], inputs.shape[1] // 2):
+        with fabric.strategy.loss_parallel():
+            logits = logits_of(model, inputs[:, :length])
+            logits.sum().backward()  # training at the new length: forward and backward graphs
+        logits = logits.detach()
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        with torch.no_grad():
+            differences[length] = (logits - logits_of(reference, inputs[:, :length])).abs().max().item()
+    return differences
+
+
 def levers(
     num_nodes: int,
     devices: int,
@@ -112,7 +131,7 @@ def levers(
     backward op counts are reported (``None`` = no AC), per kind. ``bugs``: planted with the first config."""
     import torch._dynamo
 
-    facts: dict[str, Any] = {"recompute": {}, "parity": {}, "checkpoint": {}, "graphs": {}}
+    facts: dict[str, Any] = {"recompute": {}, "parity": {}, "checkpoint": {}, "graphs": {}, "lengths": {}}
     for kind in kinds:
         facts["recompute"][kind] = {str(mode): recompute_counts((num_nodes, devices), kind, mode) for mode in recompute}
     directory = None
@@ -132,6 +151,8 @@ def levers(
             result = _parity(fabric, kind, bugs=planted, **options)
             facts["parity"][f"{label}/{kind}"] = {key: result[key] for key in ("floor", "ours", "bugs")}
             facts["graphs"][f"{label}/{kind}"] = {**compile_counts(), "models": 1 + len(planted)}  # ours + a bug's
+            if config.get("compile"):  # after the counts: a new length recompiles by design
+                facts["lengths"][f"{label}/{kind}"] = logits_at_two_lengths(fabric, kind)
             facts["checkpoint"][f"{label}/{kind}"] = checkpoint_round_trip(
                 fabric, (num_nodes, devices), kind, directory / label
             )

@@ -1,9 +1,11 @@
 """The core every other layer uses: file I/O, atomic commit, key matching, boxes, lazy tensors and DCP's plumbing.
 
 * :mod:`fileio`: positioned reads into tensors, ``O_DIRECT`` writes.
-* :mod:`commit`: outputs appear at their path atomically, or not at all.
+* :mod:`commit`: outputs appear at their path atomically, or not at all; :mod:`watchdog`: a rank stalled in
+  checkpoint I/O fails every rank (``io_timeout``).
 * :mod:`keys`: matching checkpoint keys to a model's (``key_map``, wrapper prefixes).
-* :mod:`boxes`: the boxes of a stored tensor a rank's local shard holds, presented to DCP as :class:`StoredBoxes`.
+* :mod:`box`: one box (offsets and sizes) of a tensor; :mod:`boxes`: the boxes of a stored tensor a rank's local
+  shard holds, presented to DCP as :class:`StoredBoxes`.
 * :mod:`lazy_tensor` and :mod:`tree`: a tensor read only when asked, and walking nested state of them.
 * :mod:`dcp_planners` and :mod:`dcp_errors`: DCP's planners with safe unpickling, and its errors unpacked.
 * :mod:`progress`: progress bars and throughput lines.

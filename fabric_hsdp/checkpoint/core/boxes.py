@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -28,7 +28,9 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.core.tree import item_at, map_tree, tree_leaves
-from fabric_hsdp.tensor_parallel.fused_rows import FusedRows
+
+if TYPE_CHECKING:
+    from fabric_hsdp.tensor_parallel.fused_rows import FusedRows
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 * :mod:`checkpointer`: :class:`Checkpointer`, what the strategy's save and load hooks call: it picks the way down.
 * :mod:`state`: a checkpoint state sorted into its model, optimizers and plain values.
-* :mod:`sharded`: DCP checkpoints written and read by every rank in parallel; :mod:`background`: the one save in
-  flight (``async_save=True``); :mod:`replica_split`: reading each shard once under HSDP.
+* :mod:`sharded`: DCP checkpoints written and read by every rank in parallel (a fresh optimizer's state allocated
+  from the checkpoint by :mod:`optimizer_state`); :mod:`background`: the one save in flight (``async_save=True``),
+  staged by :mod:`staging`; :mod:`replica_split`: reading each shard once under HSDP.
 * :mod:`full_gather`: one consolidated file from rank 0, gathering one tensor at a time.
 * :mod:`raw_load`: filling a sharded model from any format (``load_raw``), and a full checkpoint's optimizers.
 
