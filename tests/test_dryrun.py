@@ -226,3 +226,8 @@ def test_a_tensor_parallel_save_of_litgpt_writes_this_ranks_shards_only(tmp_path
     # with the hooks' whole qkv weights it was 0.97 MB more (measured: 43.74 MB against 42.77 MB)
     written, expected = save["written"], 3 * report.local_parameter_bytes
     assert expected <= written < expected + 3000 * entries, (written, expected, entries)
+    # pythia-14m's 26 norm weights and biases (2 per layer x 6 layers, and the final norm's; 128 each) stay whole under
+    # the plan: both tensor-parallel peers hold the same 64-element FSDP shard of each, in the parameter and AdamW's
+    # two moments, and DCP writes each once: this rank's share is at least 26 x 64 x 4 B x 3 / 2 below its local bytes
+    # (counted on the FSDP mesh alone, the share was only 4,532 B below: measured)
+    assert expected - save["expected_share"] >= 26 * 64 * 4 * 3 // 2, (save["expected_share"], expected)

@@ -9,13 +9,17 @@ expected share.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fabric_hsdp.dryrun.session import SaveRecord
+
+if TYPE_CHECKING:
+    from fabric_hsdp.topology import ParallelMesh
 
 
 def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Path, rank: int) -> SaveRecord:
@@ -40,7 +44,7 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
         tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
         for key, optimizer in optimizers.items():
             tensors[key] = get_optimizer_state_dict(model, optimizer)
-    share = _expected_share(tensors, rank)
+    share = _expected_share(tensors, strategy.parallel_mesh)
     stored, _ = in_stored_layout(tensors, model)
     if rank == 0:  # rank 0 writes the plain values beside the shards
         _save_meta(plain_values(plain), target / META_FILE)
@@ -71,23 +75,18 @@ def full_save_record(path: Path, state: dict[str, Any], rank: int) -> SaveRecord
     return SaveRecord(path=str(path), kind="full", expected_share=total if rank == 0 else 0)
 
 
-def _expected_share(tree: Any, rank: int) -> int:
+def _expected_share(tree: Any, mesh: ParallelMesh) -> int:
     """Bytes this rank writes once DCP spreads each chunk's writes over the ranks holding it."""
     from fabric_hsdp.checkpoint.core.tree import tree_leaves
 
-    return sum(_tensor_share(leaf) for _, leaf in tree_leaves(tree, torch.Tensor))
+    return sum(_tensor_share(leaf, mesh) for _, leaf in tree_leaves(tree, torch.Tensor))
 
 
-def _tensor_share(tensor: torch.Tensor) -> int:
+def _tensor_share(tensor: torch.Tensor, mesh: ParallelMesh) -> int:
+    """This rank's share of writing ``tensor``'s local part: the ranks holding the same values (along every dim of
+    the job's mesh it is replicated on, e.g. both tensor-parallel peers of a norm the plan leaves whole) split it."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(tensor, DTensor):
-        local = tensor.to_local()
-        holders = 1
-        for dim, placement in enumerate(tensor.placements):
-            if placement.is_replicate():
-                holders *= tensor.device_mesh.size(dim)
-        return local.numel() * local.element_size() // holders
-    import torch.distributed as dist  # a plain tensor, e.g. AdamW's step counters: the same on every rank
-
-    return tensor.numel() * tensor.element_size() // max(1, dist.get_world_size())
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # a plain tensor: the same on every rank
+    holders = math.prod(mesh.size(dim) for dim in mesh.replicated_dims(tensor))
+    return local.numel() * local.element_size() // holders
