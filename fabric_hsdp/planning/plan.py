@@ -85,7 +85,7 @@ class LayoutPlan:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.layout.world_size // self.layout.tensor_parallel_size
+        return self.layout.data_parallel_size
 
 
 @dataclass(frozen=True)

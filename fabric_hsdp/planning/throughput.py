@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fabric_hsdp.planning.memory import Training
 from fabric_hsdp.planning.model import ModelShape
 from fabric_hsdp.planning.traffic import Traffic
-from fabric_hsdp.topology import Topology
+from fabric_hsdp.topology import TENSOR_DIM, Topology
 
 # H100 SXM's dense bf16 tensor-core peak: the default when bandwidths are given without --device_flops
 DEFAULT_DEVICE_FLOPS = 989e12
@@ -99,7 +99,7 @@ def throughput(
     efficiency: float,
 ) -> Throughput:
     """Tokens per step, bytes per token and, with a bandwidth, the step time, tokens/s and MFU of ``layout``."""
-    data_parallel = layout.world_size // layout.tensor_parallel_size
+    data_parallel = layout.data_parallel_size
     tokens = data_parallel * training.workload.tokens
     inter, intra = traffic.inter_node_bytes / tokens, traffic.intra_node_bytes / tokens
     if inter_node_bandwidth is None and intra_node_bandwidth is None:
@@ -108,7 +108,7 @@ def throughput(
     model_flops, hardware_flops = flops_per_token(model, training)
     compute = training.workload.tokens * hardware_flops / layout.tensor_parallel_size / (peak * efficiency)
     intra_by_dim = traffic.intra_by_dim or {}
-    tensor_bytes = intra_by_dim.get("tensor", 0.0)
+    tensor_bytes = intra_by_dim.get(TENSOR_DIM, 0.0)
     overlapped = [compute]
     if inter_node_bandwidth is not None:
         overlapped.append(traffic.inter_node_bytes / inter_node_bandwidth)

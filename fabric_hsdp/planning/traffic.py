@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from fabric_hsdp.planning.memory import Training, unit_sizes
 from fabric_hsdp.planning.model import ModelShape
-from fabric_hsdp.topology import Topology
+from fabric_hsdp.topology import REPLICATE_DIM, SHARD_DIM, TENSOR_DIM, Topology
 
 BACKENDS = ("nccl", "gloo")
 
@@ -61,9 +61,9 @@ def traffic_per_step(model: ModelShape, training: Training, layout: Topology, ba
         shard += size.local * training.reduce_bytes
     reduce_scatter_factor = 2.0 if backend == "gloo" else 1.0
     per_edge = {
-        "shard": _ring(fsdp) * (gathered_forward + gathered_backward + reduce_scatter_factor * reduced),
-        "replicate": 2 * _ring(layout.replicate_size) * shard,
-        "tensor": _tensor_parallel_edge_bytes(model, training, tensor),
+        SHARD_DIM: _ring(fsdp) * (gathered_forward + gathered_backward + reduce_scatter_factor * reduced),
+        REPLICATE_DIM: 2 * _ring(layout.replicate_size) * shard,
+        TENSOR_DIM: _tensor_parallel_edge_bytes(model, training, tensor),
     }
     inter: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}
     intra_of: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}
