@@ -50,28 +50,21 @@ def replica_parts(
         The view to pass to ``dcp.load``, what it replaced (see
         :func:`~fabric_hsdp.checkpoint.core.boxes.dcp_view`), and the parts to hand to :func:`gather` afterwards.
     """
-    from torch.distributed.tensor import DTensor
-
-    replicas = mesh.topology.replicate_size
-    replica = mesh.replicate.get_local_rank()
     splits: list[Split] = []
 
     def read_part(param: str | None, tensor: torch.Tensor) -> boxes.StoredBoxes | None:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if not _splits(tensor, local, mesh, replicas):
+        rows = raw_part(tensor, mesh, splits)
+        if rows is None:
             return boxes.regrouped_boxes(param, tensor, fused)  # read whole, as a load without split reads does
-        rows = local.shape[0] // replicas
-        start, stop = replica * rows, (replica + 1) * rows
-        splits.append(Split(local, local[start:stop]))
-        return boxes.boxes_of(tensor, fused.get(param), (start, stop))
+        return boxes.boxes_of(tensor, fused.get(param), rows)
 
     view, replaced = boxes.dcp_view(state, read_part)
     return view, replaced, splits
 
 
 def raw_part(tensor: torch.Tensor, mesh: ParallelMesh, splits: list[Split]) -> tuple[int, int] | None:
-    """For a raw load: the local rows ``(start, stop)`` of ``tensor`` this replica reads, noted in ``splits`` for
-    :func:`gather`; ``None`` when it reads its whole shard (not replicated, or rows that do not split evenly)."""
+    """The local rows ``(start, stop)`` of ``tensor`` this replica reads (raw and sharded loads), noted in ``splits``
+    for :func:`gather`; ``None`` when it reads its whole shard (not replicated, or rows that do not split evenly)."""
     from torch.distributed.tensor import DTensor
 
     replicas = mesh.topology.replicate_size
