@@ -223,6 +223,9 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         check_launch(self._launched_by, self.environment, self.num_nodes, self.num_processes, self.local_rank)
         self._layout.check_device(self.root_device.type)
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
+        # before the process group exists: a rank that fails while starting (the rank-layout check) must destroy it
+        # too, or the interpreter's exit destroys it and can abort ("terminate called without an active exception")
+        atexit.register(self._end_of_process)
         self._process_group_backend = distributed.start_processes(
             self.environment,
             self._launched_by,
@@ -242,7 +245,6 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             ranks_per_node=ranks_per_node,
             mesh=lambda: self._layout.mesh_if_built,
         )
-        atexit.register(self._end_of_process)
 
     @override
     def setup_module(self, module: Module) -> Module:

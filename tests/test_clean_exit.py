@@ -11,6 +11,10 @@ with the exit handler removed (``atexit.register`` dropped), 10 fork-server and 
 was not reproduced either; the runs keep looking for it (``ABORTS``). What it does catch is the exit status: a
 handler that ends the process its own way (plant 4 in tests/mutations: ``os._exit(0)``, the obvious way to dodge the
 abort) turns a failing load's exit 1 into 0, and the test fails on the runs with a failing load.
+
+The abort was seen once since, in CI's ``srun --distribution=cyclic`` test: a rank failing the rank-layout check,
+with its process group alive and the exit handler not yet registered. That path is guarded deterministically below
+(the group must be gone before the interpreter's teardown), not by waiting for the abort.
 """
 
 import pytest
@@ -49,3 +53,15 @@ def test_twenty_consecutive_launches_exit_with_their_status(tmp_path):
         else:
             assert [value["rank"] for value in result.values] == [0, 1, 2, 3]
     assert not failures, failures
+
+
+def test_a_rank_that_fails_while_starting_destroys_its_process_group_before_the_interpreter_does(tmp_path):
+    """The strategy's exit handler is registered before the process group exists: a rank that fails the rank-layout
+    check (it raises once the group exists) leaves no group for the interpreter's teardown to destroy. Left to that
+    teardown, a rank aborted once in CI ("terminate called without an active exception", SLURM's task state
+    "Aborted", in the ``srun --distribution=cyclic`` test)."""
+    result = launch("tests.scenarios.core:fail_while_starting", {"out": str(tmp_path)}, timeout=120)
+    assert not result.timed_out and result.returncodes == [1, 1, 1, 1], [r.stderr[-800:] for r in result.ranks]
+    assert all("numbered the global ranks across nodes (planted)" in r.stderr for r in result.ranks)
+    alive_at_exit = sorted(file.read_text() for file in tmp_path.iterdir())
+    assert alive_at_exit == ["False"] * 4, alive_at_exit  # the strategy's handler destroyed it first

@@ -273,6 +273,22 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_levers.py::test_levers_train_like_one_process_and_checkpoint_like_plain[2x2-mesh212]",),
     ),
+    "20a": Plant(
+        "a rank that fails while starting ends cleanly (#20's exit 134: an srun task 'Aborted' in CI)",
+        "the strategy's exit handler is registered only after the rank-layout check passed",
+        (
+            ("        atexit.register(self._end_of_process)\n", ""),
+            (
+                "            mesh=lambda: self._layout.mesh_if_built,\n        )\n",
+                "            mesh=lambda: self._layout.mesh_if_built,\n        )\n"
+                "        atexit.register(self._end_of_process)\n",
+            ),
+        ),
+        (
+            "tests/test_clean_exit.py::"
+            "test_a_rank_that_fails_while_starting_destroys_its_process_group_before_the_interpreter_does",
+        ),
+    ),
     "19d": Plant(
         "a stopped store host (rank 0) fails the other ranks instead of hanging (#19)",
         "the watchdog does not time its own store calls",

@@ -293,3 +293,17 @@ def _gradient_norms(fabric: L.Fabric, model: Any, reference: torch.nn.Module, to
         logger.removeHandler(records)
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5).item()
     return {"ours": norm, "sequential": sequential, "reference": expected, "logged": records.messages}
+
+
+def fail_while_starting(num_nodes: int, devices: int, out: str) -> None:
+    """The rank-layout check fails once the process group exists (as under ``srun --distribution=cyclic``). An exit
+    handler registered before the strategy's, so run after it (``atexit`` is last in, first out), records whether the
+    process group was still alive then: the interpreter's own teardown of it can abort the rank."""
+    import atexit
+    from pathlib import Path
+    from unittest import mock
+
+    atexit.register(lambda: (Path(out) / str(os.getpid())).write_text(str(dist.is_initialized())))
+    planted = ValueError("the launcher numbered the global ranks across nodes (planted)")
+    with mock.patch("fabric_hsdp.distributed.check_rank_layout", side_effect=planted):
+        make_fabric(num_nodes, devices)
