@@ -317,12 +317,15 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         """Save model, optimizer(s) and plain values: a sharded DCP directory, or one full file (``state_dict_type``).
 
         The checkpoint appears at ``path`` only once complete; a previous checkpoint there is replaced atomically.
+        ``filter`` keeps, per state key, the entries its function returns ``True`` for, as Fabric's other strategies
+        do (``{"model": lambda name, value: "lora_" in name}``: adapters only); load such a checkpoint with
+        ``strict=False``.
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint() takes no storage_options: it writes DCP itself.")
-        if filter is not None:
-            raise NotImplementedError(f"{type(self).__name__} does not support `filter=` when saving.")
-        self._checkpoints.save(path, state)
+        if filter is not None and not isinstance(filter, dict):
+            raise TypeError(f"filter= must be a dict of functions by state key, e.g. {{'model': fn}}; got {filter!r}.")
+        self._checkpoints.save(path, state, filter=filter)
 
     def save_full_checkpoint(self, path: _PATH, state: dict[str, Module | Optimizer | Any]) -> None:
         """Write ``state`` as one consolidated file whatever ``state_dict_type`` says, e.g. a final export beside

@@ -119,3 +119,5 @@ def test_the_package_flows_go_one_way_down(callpath, flow):
     assert len(walk.files) > 10  # the walk followed the flow down, not stopped at the strategy
     assert walk.back_calls == []
     assert walk.up_calls == []
+    # the stored row order lives in checkpoint/core: no checkpoint flow goes out to the tensor-parallel package
+    assert [file for file in walk.files if "/tensor_parallel/" in file] == []

@@ -26,28 +26,25 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     """Write ``rank``'s part of the sharded checkpoint ``path`` of ``state`` under ``scratch``; return the record."""
     import torch.distributed.checkpoint as dcp
     from lightning.fabric.wrappers import _unwrap_objects
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+    from fabric_hsdp.checkpoint.core.stored_rows import module_layout
     from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
-    from fabric_hsdp.checkpoint.training.sharded import _save_meta, in_stored_layout
-    from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
-    from fabric_hsdp.tensor_parallel import module_layout
+    from fabric_hsdp.checkpoint.training.sharded import save_meta
+    from fabric_hsdp.checkpoint.training.state import CheckpointState
 
     state = _unwrap_objects(state)
     if strategy._checkpoints.state_dict_type == "full" or path.suffix == ".safetensors":
         return full_save_record(path, state, rank)
-    model_key, model, optimizers, plain = state_parts(state)
+    checkpoint = CheckpointState(state)
     target = scratch / f"{path.name or 'checkpoint'}.rank{rank}"
     target.mkdir(parents=True, exist_ok=True)
     with module_layout():  # as the strategy's save: the checkpoint code maps TP's regrouped rows shard by shard
-        tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
-        for key, optimizer in optimizers.items():
-            tensors[key] = get_optimizer_state_dict(model, optimizer)
+        tensors = checkpoint.tensors()
     share = _expected_share(tensors, strategy.parallel_mesh)
-    stored, _ = in_stored_layout(tensors, model)
+    stored, _ = checkpoint.stored(tensors)
     if rank == 0:  # rank 0 writes the plain values beside the shards
-        _save_meta(plain_values(plain), target / META_FILE)
+        save_meta(checkpoint.plain_values(), target / META_FILE)
         share += (target / META_FILE).stat().st_size
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is, on purpose
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

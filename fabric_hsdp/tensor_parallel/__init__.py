@@ -28,14 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fabric_hsdp.checkpoint.core.stored_rows import ATTRIBUTE, FusedRows, fused_rows_of, module_layout
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.tensor_parallel.fused_rows import (
-    ATTRIBUTE,
-    FusedRows,
-    add_state_dict_hooks,
-    fused_rows_of,
-    module_layout,
-)
+from fabric_hsdp.tensor_parallel.fused_rows import add_state_dict_hooks
 from fabric_hsdp.tensor_parallel.loss import loss_parallel
 from fabric_hsdp.tensor_parallel.plans import DICT_FORM, ModelPlan, auto_plan
 from fabric_hsdp.tensor_parallel.randomness import seed_split_regions, split_regions, synchronize_random_state

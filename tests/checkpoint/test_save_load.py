@@ -300,7 +300,7 @@ def test_background_save_failing_after_the_script_ended_exits_1(tmp_path):
 
 
 def test_save_path_must_be_given_state_with_a_model(tmp_path):
-    from fabric_hsdp.checkpoint.training.state import state_parts
+    from fabric_hsdp.checkpoint.training.state import CheckpointState
 
     with pytest.raises(ValueError, match="exactly one model set up with fabric.setup_module; found no model"):
-        state_parts({"model": torch.nn.Linear(2, 2), "step": 1})
+        CheckpointState({"model": torch.nn.Linear(2, 2), "step": 1})

@@ -345,15 +345,21 @@ PLANTS: dict[str, Plant] = {
     ),
     "21a": Plant(
         "the load and save flows go one way down (#21)",
-        "the commit in the core calls back into the training path (state.plain_values) after committing",
+        "the commit in the core calls back into the training path (state.apply_filter) after committing",
         (
             (
                 "    log_throughput(verb, path, time.monotonic() - started)\n",
                 "    log_throughput(verb, path, time.monotonic() - started)\n"
-                "    from fabric_hsdp.checkpoint.training.state import plain_values\n\n"
-                "    plain_values({})\n",
+                "    from fabric_hsdp.checkpoint.training.state import apply_filter\n\n"
+                "    apply_filter({}, None)\n",
             ),
         ),
         ("tests/test_callpath.py::test_the_package_flows_go_one_way_down[save]",),
+    ),
+    "31a": Plant(
+        "Fabric's save(filter=) in the one checkpoint state (#31)",
+        "the filter is ignored: every entry is saved",
+        (("    if not filter:\n        return entries\n", "    if True:\n        return entries\n"),),
+        ("tests/checkpoint/test_save_filter.py",),
     ),
 }

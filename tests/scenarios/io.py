@@ -87,11 +87,11 @@ def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall:
 def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: int = 1) -> dict:
     """Stage model + AdamW state twice with :class:`Stager`; write the second with DCP; report sizes and reuse."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-    from fabric_hsdp.checkpoint.training.sharded import in_stored_layout
+    from fabric_hsdp.checkpoint.core.stored_rows import module_layout
     from fabric_hsdp.checkpoint.training.staging import Stager
+    from fabric_hsdp.checkpoint.training.state import CheckpointState
     from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
     from tests.scenarios.checkpoints import _expected_state, train_steps
 
@@ -104,9 +104,9 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
     stager = Stager()
 
     def state() -> dict:
-        module, inner = model.module, optimizer.optimizer
-        tensors = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, inner)}
-        return in_stored_layout(tensors, model.module)[0]
+        checkpoint = CheckpointState({"model": model.module, "optimizer": optimizer.optimizer})
+        with module_layout():
+            return checkpoint.stored(checkpoint.tensors())[0]
 
     first = stager.stage(state(), group)
     pointers = sorted(buffer.data_ptr() for buffer in stager._buffers.values())

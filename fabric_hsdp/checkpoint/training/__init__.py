@@ -1,7 +1,7 @@
 """The training path: what ``fabric.save``/``fabric.load``/``fabric.load_raw`` run, on every rank.
 
 * :mod:`checkpointer`: :class:`Checkpointer`, what the strategy's save and load hooks call: it picks the way down.
-* :mod:`state`: a checkpoint state sorted into its model, optimizers and plain values.
+* :mod:`state`: :class:`CheckpointState`, a checkpoint state sorted by kind, and the tensors a checkpoint stores.
 * :mod:`sharded`: DCP checkpoints written and read by every rank in parallel (a fresh optimizer's state allocated
   from the checkpoint by :mod:`optimizer_state`); :mod:`background`: the one save in flight (``async_save=True``),
   staged by :mod:`staging`; :mod:`replica_split`: reading each shard once under HSDP.
@@ -16,19 +16,18 @@ from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.full_gather import save_full
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult, load_into_model, restore_extras
 from fabric_hsdp.checkpoint.training.sharded import find_sharded, load_sharded, save_sharded
-from fabric_hsdp.checkpoint.training.state import StateParts, state_parts
+from fabric_hsdp.checkpoint.training.state import CheckpointState
 
 __all__ = [
     "BackgroundSaves",
+    "CheckpointState",
     "Checkpointer",
     "LoadMode",
     "LoadResult",
-    "StateParts",
     "find_sharded",
     "load_into_model",
     "load_sharded",
     "restore_extras",
     "save_full",
     "save_sharded",
-    "state_parts",
 ]

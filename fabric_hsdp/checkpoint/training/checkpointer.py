@@ -20,13 +20,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
+from fabric_hsdp.checkpoint.core.stored_rows import module_layout
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
 from fabric_hsdp.checkpoint.training.background import BackgroundSaves
 from fabric_hsdp.checkpoint.training.full_gather import save_full
 from fabric_hsdp.checkpoint.training.raw_load import LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.training.sharded import find_sharded, load_sharded, save_sharded
-from fabric_hsdp.checkpoint.training.state import state_parts
-from fabric_hsdp.tensor_parallel.fused_rows import module_layout
+from fabric_hsdp.checkpoint.training.state import CheckpointState, Filter
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -85,17 +85,18 @@ class Checkpointer:
         """Rank 0's ``path``, made absolute: every rank writes and reads the same files."""
         return Path(self._broadcast(Path(path).absolute()))
 
-    def save(self, path: Path, state: dict[str, Any], *, full: bool = False) -> None:
+    def save(self, path: Path, state: dict[str, Any], *, full: bool = False, filter: Filter | None = None) -> None:
         """Write ``state`` at rank 0's ``path``: one full file (``full``, ``state_dict_type="full"`` or a
-        ``.safetensors`` path), else a sharded DCP directory, in the background with ``async_save``."""
+        ``.safetensors`` path), else a sharded DCP directory, in the background with ``async_save``; ``filter``:
+        Fabric's ``save(filter=)``."""
         path = self.agreed_path(path)
         self.wait()
         with module_layout(), self._watchdog.watch(f"saving checkpoint '{path}'"):
             if full or self.state_dict_type == "full" or path.suffix == ".safetensors":
-                save_full(path, state)  # rank 0 writes; the others wait in its gathers
+                save_full(path, state, filter)  # rank 0 writes; the others wait in its gathers
                 return
             background = self._background if self._background.enabled else None
-            save_sharded(path, state, self._broadcast, background)
+            save_sharded(path, state, self._broadcast, background, filter)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure on every rank."""
@@ -122,8 +123,9 @@ class Checkpointer:
             raise NotImplementedError(
                 "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
             )
-        model_key, model, optimizers, plain = state_parts(state)
-        sharded, metadata = find_sharded(path, model_key, weights_only=safe)
+        checkpoint = CheckpointState(state)
+        model, optimizers, plain = checkpoint.model, checkpoint.optimizers, checkpoint.plain
+        sharded, metadata = find_sharded(path, checkpoint.model_key, weights_only=safe)
         if sharded:
             split_mesh = self._mesh() if self.split_replica_reads else None
             with self._watchdog.watch(f"loading checkpoint '{path}'"):

@@ -16,28 +16,27 @@ import torch.distributed as dist
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
-from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
+from fabric_hsdp.checkpoint.core.stored_rows import FusedRows
+from fabric_hsdp.checkpoint.training.state import CheckpointState, Filter
 from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
 from fabric_hsdp.errors import write_error
-from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
 
-def save_full(path: Path, state: dict[str, Any]) -> None:
+def save_full(path: Path, state: dict[str, Any], filter: Filter | None = None) -> None:
     """Write one consolidated file from rank 0, gathering one tensor at a time (``.pth`` Fabric layout or safetensors).
 
     Rank 0 asks for each tensor by name; every rank then takes part in that one all-gather. Rank 0 thus holds the
-    file it writes plus one full tensor; the others hold one full tensor at most.
+    file it writes plus one full tensor; the others hold one full tensor at most. ``filter``: Fabric's
+    ``save(filter=)``.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    model_key, model, optimizers, plain = state_parts(state)
+    checkpoint = CheckpointState(state)
+    model_key, optimizers, fused = checkpoint.model_key, checkpoint.optimizers, checkpoint.fused_rows
     if path.suffix == ".safetensors" and optimizers:
         raise ValueError(
             f"'{path}' is a safetensors file, which holds model tensors only, but the state has optimizer(s)"
             f" {list(optimizers)}. Save {{'model': model}} alone to .safetensors, or use a .pth path for the rest."
         )
     sharded: dict[str, tuple[torch.Tensor, FusedRows | None]] = {}
-    fused = fused_rows_of(model)
 
     def lazy(name: str, tensor: Any, param: str) -> Any:
         if not isinstance(tensor, torch.Tensor):
@@ -45,18 +44,21 @@ def save_full(path: Path, state: dict[str, Any]) -> None:
         sharded[name] = (tensor, fused.get(param) if tensor.ndim else None)
         return LazyTensor(name, tensor.shape, tensor.dtype, lambda: _gather(name, *sharded[name], request=True))
 
-    model_tensors = {name: lazy(f"{model_key}.{name}", t, name) for name, t in get_model_state_dict(model).items()}
+    tensors = checkpoint.tensors(filter)
+    model_tensors = {name: lazy(f"{model_key}.{name}", t, name) for name, t in tensors.get(model_key, {}).items()}
     extras: dict[str, Any] = {}
-    for key, optimizer in optimizers.items():
-        optimizer_state = get_optimizer_state_dict(model, optimizer)
+    for key in optimizers:
+        if key not in tensors:
+            continue
+        optimizer_state = tensors[key]
         extras[key] = {
             "state": {
                 fqn: {name: lazy(f"{key}.{fqn}.{name}", value, fqn) for name, value in entries.items()}
-                for fqn, entries in optimizer_state["state"].items()
+                for fqn, entries in optimizer_state.get("state", {}).items()
             },
-            "param_groups": optimizer_state["param_groups"],
+            **({"param_groups": optimizer_state["param_groups"]} if "param_groups" in optimizer_state else {}),
         }
-    extras.update(plain_values(plain))
+    extras.update(checkpoint.plain_values(filter))
     with fail_together(f"saving full checkpoint '{path}'"):
         if dist.get_rank() == 0:
             try:

@@ -32,13 +32,13 @@ from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.progress import Progress
+from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, fused_rows_of
 from fabric_hsdp.checkpoint.core.tree import read_lazy
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.training import replica_split
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.logs import warning_on_rank_zero
-from fabric_hsdp.tensor_parallel.fused_rows import FusedRows, fused_rows_of
 
 _logger = logging.getLogger(__name__)
 # Loads smaller than this show no progress.

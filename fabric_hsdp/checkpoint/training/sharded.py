@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.load import _move_state_into
-from torch import nn
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core import boxes, commit
@@ -34,10 +33,9 @@ from fabric_hsdp.checkpoint.formats.dcp_metadata import (
 )
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader
 from fabric_hsdp.checkpoint.training import background, optimizer_state, replica_split
-from fabric_hsdp.checkpoint.training.state import plain_values, state_parts
+from fabric_hsdp.checkpoint.training.state import CheckpointState, Filter
 from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
 from fabric_hsdp.errors import CheckpointError
-from fabric_hsdp.tensor_parallel.fused_rows import fused_rows_of
 
 
 def save_sharded(
@@ -45,23 +43,20 @@ def save_sharded(
     state: dict[str, Any],
     broadcast: Callable[[Any], Any],
     background_saves: background.BackgroundSaves | None = None,
+    filter: Filter | None = None,
 ) -> None:
     """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
 
     With ``background_saves`` the chunks this rank writes are copied to CPU memory (its stager's kept buffers) and
     written from a thread: that save is in flight in ``background_saves`` (committed when done; its ``wait()``
-    raises its failure).
+    raises its failure). ``filter``: Fabric's ``save(filter=)``, e.g. ``{"model": lambda name, value: "lora_" in
+    name}`` for an adapter-only checkpoint.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    model_key, model, optimizers, plain = state_parts(state)
+    checkpoint = CheckpointState(state)
     save = commit.StagedSave(path, broadcast, dist.get_rank())
     with fail_together(f"preparing to save checkpoint '{path}'"):
-        save.create(lambda directory: _save_meta(plain_values(plain), directory / META_FILE))
-    tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
-    for key, optimizer in optimizers.items():
-        tensors[key] = get_optimizer_state_dict(model, optimizer)
-    tensors, _ = in_stored_layout(tensors, model)
+        save.create(lambda directory: save_meta(checkpoint.plain_values(filter), directory / META_FILE))
+    tensors, _ = checkpoint.stored(checkpoint.tensors(filter))
     try:
         with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
             save.check_shared(META_FILE)
@@ -87,16 +82,8 @@ def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
         raise save_error(error, path) from None
 
 
-def in_stored_layout(tensors: dict[str, Any], model: nn.Module) -> tuple[dict[str, Any], list[boxes.Replaced]]:
-    """``tensors`` (model and optimizer state dicts) with the rows tensor parallelism regrouped put back in the
-    model's own order, as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (sharing memory with the tensors)."""
-    fused = fused_rows_of(model)
-    if not fused:
-        return tensors, []
-    return boxes.dcp_view(tensors, lambda param, tensor: boxes.regrouped_boxes(param, tensor, fused))
-
-
-def _save_meta(values: dict[str, Any], file: Path) -> None:
+def save_meta(values: dict[str, Any], file: Path) -> None:
+    """Write the plain values of a sharded checkpoint (``meta.pt``), flushed to disk."""
     with open(file, "wb") as stream:
         torch.save(values, stream)
         stream.flush()
@@ -123,15 +110,14 @@ def load_sharded(
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     with fail_together(f"opening checkpoint '{path}'"):
         metadata = check_complete(path, weights_only=weights_only, metadata=metadata)
-        model_key, model, optimizers, plain = state_parts(state)
+        checkpoint = CheckpointState(state)
+        model_key, model, optimizers = checkpoint.model_key, checkpoint.model, checkpoint.optimizers
         saved_keys = top_level_keys(metadata)
         wanted = [model_key, *optimizers]
         missing = [key for key in wanted if key not in saved_keys]
@@ -142,14 +128,13 @@ def load_sharded(
             )
     started = time.monotonic()
     # one read of the model and every optimizer: DCP plans once and each rank reads each file once
-    tensors: dict[str, Any] = {model_key: get_model_state_dict(model)}
     for key, optimizer in optimizers.items():
         optimizer_state.allocate_from_metadata(model, optimizer, key, metadata)  # else DCP runs a zero step first
-        tensors[key] = get_optimizer_state_dict(model, optimizer)
+    tensors = checkpoint.tensors()
     if split_mesh is not None:
-        targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, fused_rows_of(model))
+        targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, checkpoint.fused_rows)
     else:
-        (targets, replaced), splits = in_stored_layout(tensors, model), []
+        (targets, replaced), splits = checkpoint.stored(tensors), []
     planner = SafeLoadPlanner(allow_partial_load=not strict, weights_only=weights_only)
     try:
         dcp.load(targets, storage_reader=OneCopyReader(path, metadata), planner=planner)
@@ -161,8 +146,8 @@ def load_sharded(
     for key, optimizer in optimizers.items():
         set_optimizer_state_dict(model, optimizer, targets[key])
     meta = read_meta(path, weights_only=weights_only)
-    _validate_keys_for_strict_loading(plain.keys(), meta.keys(), strict=strict)
-    _move_state_into(source=meta, destination=state, keys=set(plain))
+    _validate_keys_for_strict_loading(checkpoint.plain.keys(), meta.keys(), strict=strict)
+    _move_state_into(source=meta, destination=state, keys=set(checkpoint.plain))
     if dist.get_rank() == 0:
         log_throughput("loaded", path, time.monotonic() - started)
     return meta

@@ -1,47 +1,97 @@
-"""A checkpoint state (``{"model": model, "optimizer": optimizer, "step": 3}``) sorted by kind.
+"""A checkpoint state (``{"model": model, "optimizer": optimizer, "step": 3}``) and the tensors a checkpoint stores.
 
-Every way of saving or loading the strategy's state (sharded, full, raw plus extras) starts here.
+Every way of saving or loading the strategy's state (sharded, full, the dry run's) builds one
+:class:`CheckpointState`: it sorts the state by kind, finds the rows tensor parallelism regrouped once, assembles the
+model's and optimizers' state dicts and applies Fabric's ``filter=``.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
+from fabric_hsdp.checkpoint.core import boxes
+from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, fused_rows_of
 
-class StateParts(NamedTuple):
-    """A checkpoint state sorted by kind: the one sharded model, the optimizers, and the plain values."""
-
-    model_key: str
-    model: nn.Module
-    optimizers: dict[str, Optimizer]
-    plain: dict[str, Any]
+Filter = dict[str, Callable[[str, Any], bool]]
 
 
-def state_parts(state: dict[str, Any]) -> StateParts:
-    """Sort ``state`` into its parts; exactly one model set up by the strategy (holding DTensors) is required."""
-    from torch.distributed.tensor import DTensor
+class CheckpointState:
+    """``state`` sorted by kind: the one sharded model, the optimizers and the plain values.
 
-    models = {
-        key: value
-        for key, value in state.items()
-        if isinstance(value, nn.Module) and any(isinstance(p, DTensor) for p in value.parameters())
-    }
-    if len(models) != 1:
-        found = "no model set up by the strategy" if not models else f"{len(models)} sharded models ({list(models)})"
-        raise ValueError(
-            f"The checkpoint state must hold exactly one model set up with fabric.setup_module; found {found}. Pass"
-            " it as state={'model': model, 'optimizer': optimizer, ...}; save other models under other paths."
-        )
-    (model_key, model), *_ = models.items()
-    optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-    plain = {key: value for key, value in state.items() if key not in models and key not in optimizers}
-    return StateParts(model_key, model, optimizers, plain)
+    Attributes:
+        model_key: The key of the model in ``state``.
+        model: The model set up by the strategy (holding DTensors).
+        optimizers: The optimizers, by key.
+        plain: Everything else (``step``, schedulers, ...), by key.
+        fused_rows: The model's parameters whose rows tensor parallelism regrouped, by name (empty without them).
+    """
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        models = {
+            key: value
+            for key, value in state.items()
+            if isinstance(value, nn.Module) and any(isinstance(p, DTensor) for p in value.parameters())
+        }
+        if len(models) != 1:
+            found = (
+                "no model set up by the strategy" if not models else f"{len(models)} sharded models ({list(models)})"
+            )
+            raise ValueError(
+                f"The checkpoint state must hold exactly one model set up with fabric.setup_module; found {found}. Pass"
+                " it as state={'model': model, 'optimizer': optimizer, ...}; save other models under other paths."
+            )
+        (self.model_key, self.model), *_ = models.items()
+        self.optimizers: dict[str, Optimizer] = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        self.plain = {k: v for k, v in state.items() if k not in models and k not in self.optimizers}
+        self.fused_rows: dict[str, FusedRows] = fused_rows_of(self.model)
+
+    def tensors(self, filter: Filter | None = None) -> dict[str, Any]:
+        """The model's and each optimizer's state dict (torch's ``get_*_state_dict``, sharded as the model is), by
+        key; with ``filter``, only the entries its function for that key keeps (Fabric's ``save(filter=)``).
+
+        Call it within :func:`~fabric_hsdp.checkpoint.core.stored_rows.module_layout`: regrouped rows stay as they
+        are, and :meth:`stored` maps them.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        tensors: dict[str, Any] = {self.model_key: get_model_state_dict(self.model)}
+        for key, optimizer in self.optimizers.items():
+            tensors[key] = get_optimizer_state_dict(self.model, optimizer)
+        return apply_filter(tensors, filter)
+
+    def stored(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], list[boxes.Replaced]]:
+        """``tensors`` (from :meth:`tensors`) with regrouped rows presented in the model's own order, as
+        :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` sharing memory with them; and what was replaced."""
+        if not self.fused_rows:
+            return tensors, []
+        return boxes.dcp_view(tensors, lambda param, tensor: boxes.regrouped_boxes(param, tensor, self.fused_rows))
+
+    def plain_values(self, filter: Filter | None = None) -> dict[str, Any]:
+        """The plain entries as stored: ``state_dict()`` of stateful objects (schedulers), the rest as they are."""
+        values = {
+            key: value.state_dict() if isinstance(value, _Stateful) else value for key, value in self.plain.items()
+        }
+        return apply_filter(values, filter)
 
 
-def plain_values(plain: dict[str, Any]) -> dict[str, Any]:
-    """The values to store for the plain entries of a state: ``state_dict()`` of stateful objects (schedulers)."""
-    return {key: value.state_dict() if isinstance(value, _Stateful) else value for key, value in plain.items()}
+def apply_filter(entries: dict[str, Any], filter: Filter | None) -> dict[str, Any]:
+    """``entries`` with each dict entry that ``filter`` has a function for cut down to the items it keeps, as
+    Lightning's strategies apply ``fabric.save(filter=)``; an entry left with no items is dropped."""
+    if not filter:
+        return entries
+    kept: dict[str, Any] = {}
+    for key, value in entries.items():
+        if key in filter and isinstance(value, dict):
+            items = {name: item for name, item in value.items() if filter[key](name, item)}
+            if items:
+                kept[key] = items
+        else:
+            kept[key] = value
+    return kept
