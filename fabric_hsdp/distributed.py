@@ -18,6 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from fabric_hsdp import versions
 from fabric_hsdp.launchers import describe_launch
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
@@ -80,7 +81,8 @@ def init_process_group(
     environment.set_world_size(num_nodes * ranks_per_node)
     rank_zero_only.rank = utils_rank_zero_only.rank = environment.global_rank()
     backend = choose_backend(device, backend, cpu_offload)
-    _init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
+    bind = device.type != "cpu" and versions.may_bind_device(backend)
+    _init_dist_connection(environment, backend, timeout=timeout, device_id=device if bind else None)
     return backend
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fabric_hsdp import versions
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.precision import PRECISION_DTYPES
 
@@ -120,6 +121,24 @@ def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: Devi
     for _, child in reversed(units):
         fully_shard(child, **kwargs)
     fully_shard(module, **kwargs)
+    module.register_forward_hook(_reshard_after_forward_without_gradients)
+    if versions.gloo_reduces_average_as_sum(mesh.device_type):
+        for unit in (child for _, child in units):
+            unit.set_force_sum_reduction_for_comms(True)  # FSDP2 sums, then divides the shard itself
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def _reshard_after_forward_without_gradients(module: nn.Module, args: Any, output: Any) -> None:
+    """The root unit (and any unit with ``reshard_after_forward=False``) keeps its parameters gathered after forward
+    for the backward to use. A forward without gradients (a validation loss, ``generate()``) has no backward, so they
+    stayed gathered: an optimizer made then from ``model.parameters()`` held plain tensors. Reshard them here."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if torch.is_grad_enabled():
+        return
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _module_list_layers(module: nn.Module) -> Callable[[str, nn.Module], bool]:

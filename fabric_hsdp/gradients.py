@@ -1,5 +1,11 @@
-"""Gradient clipping over DTensor shards that live on different meshes.
+"""Gradients: their synchronisation during accumulation, and clipping over DTensor shards on different meshes.
 
+``fabric.no_backward_sync`` (:class:`ReplicaSyncControl`): between micro-batches only the all-reduce across replicas
+waits; the reduce-scatter inside the shard group runs every micro-batch, so each rank accumulates sharded gradients.
+Lightning's control for FSDP2 (``set_requires_gradient_sync(False)``) skips both, and each rank then holds unsharded
+gradients of the whole model in ``reduce_dtype`` between micro-batches (4 bytes per parameter: 32 GB at 8B).
+
+Clipping:
 Under tensor parallelism the parameters a plan splits are DTensors on the whole mesh ``(replicate, shard, tensor)``
 and the others (norms) on its ``(replicate, shard)`` sub-mesh. DTensor refuses operations that mix meshes, so
 ``torch.nn.utils.clip_grad_norm_`` cannot take them together: here each mesh's gradients give one norm (DTensor
@@ -8,10 +14,34 @@ reduces it over that mesh), the norms combine into the total, and each group is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
-from torch import Tensor
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import Tensor, nn
+
+
+class ReplicaSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled)``: skip the gradient all-reduce across replicas (the inter-node
+    traffic under HSDP) while ``enabled``; the reduce-scatter into each rank's shard runs every micro-batch."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return _replicas_not_reduced(module) if enabled else nullcontext()
+
+
+@contextmanager
+def _replicas_not_reduced(module: nn.Module) -> Iterator[None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+    for unit in units:
+        unit.set_requires_all_reduce(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_all_reduce(True, recurse=False)
 
 
 def clip_grad_norm(

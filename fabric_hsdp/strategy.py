@@ -13,7 +13,6 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor
@@ -26,7 +25,7 @@ from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
 from fabric_hsdp.fsdp import ModulePolicy, check_optimizer_is_sharded, parameter_names, repoint_optimizers
-from fabric_hsdp.gradients import clip_grad_norm
+from fabric_hsdp.gradients import ReplicaSyncControl, clip_grad_norm
 from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for
 from fabric_hsdp.materialize import parameters_on_meta
 from fabric_hsdp.parallelize import levers_of, set_up_module
@@ -193,7 +192,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             io_timeout=io_timeout,
         )
         self._timeout = timeout
-        self._backward_sync_control = _ParallelBackwardSyncControl()
+        self._backward_sync_control = ReplicaSyncControl()
         self._sharded = ShardedModuleRegistry()
 
     @property

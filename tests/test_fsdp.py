@@ -38,3 +38,45 @@ def test_an_unknown_precision_is_refused_naming_the_ones_that_work():
 
     with pytest.raises(ValueError, match=r"precision='8-true'\)\. Choose one of: 32-true, bf16-mixed, 16-mixed"):
         mixed_precision_policy("8-true")
+
+
+def forward_without_gradients_first(num_nodes: int, devices: int, reshard_after_forward: bool | None) -> dict:
+    """A loss under ``torch.no_grad()`` right after ``setup_module``, then the optimizer from ``model.parameters()``
+    and two training steps; also a no-grad forward between steps."""
+    from torch.distributed.tensor import DTensor
+
+    from tests.scenarios.common import batch, build, layer_class, make_fabric
+
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, reshard_after_forward=reshard_after_forward
+    )
+    model = fabric.setup_module(build("llama"))
+    inputs, targets = batch(2, seed=fabric.global_rank)
+    with torch.no_grad():
+        model(inputs)  # e.g. the loss before training, or generate()
+    plain_after_eval = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        with torch.no_grad():
+            model(inputs)
+    plain_after_steps = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    return {"plain_after_eval": plain_after_eval, "plain_after_steps": plain_after_steps, "losses": losses}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard_after_forward", [None, False])
+def test_a_forward_without_gradients_leaves_the_model_sharded(reshard_after_forward):
+    """#35 item 4: the root unit (and units that keep parameters after forward) stayed gathered after a no-grad
+    forward, so an optimizer made then held unsharded tensors and setup_optimizers refused it."""
+    from tests.helpers.launch import launch
+
+    result = launch("tests.test_fsdp:forward_without_gradients_first", {"reshard_after_forward": reshard_after_forward})
+    for facts in result.check().values:
+        assert facts["plain_after_eval"] == [] and facts["plain_after_steps"] == [], facts
+        assert facts["losses"][1] < facts["losses"][0]

@@ -19,6 +19,8 @@ from unittest import mock
 
 import torch.distributed as dist
 
+from fabric_hsdp.versions import passing_plan_validator
+
 _ACTIVE = False
 
 
@@ -94,7 +96,7 @@ def fake_process_group() -> Iterator[None]:
         ):
             stack.enter_context(mock.patch.object(dist, name, replacement))
         stack.enter_context(mock.patch.object(dcp_utils._DistWrapper, "__init__", one_rank_wrapper))
-        stack.enter_context(mock.patch.object(default_planner, "_validate_global_plan", lambda *args: []))
+        stack.enter_context(mock.patch.object(default_planner, "_validate_global_plan", passing_plan_validator()))
         _ACTIVE = True
         try:
             yield

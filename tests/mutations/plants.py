@@ -362,4 +362,25 @@ PLANTS: dict[str, Plant] = {
         (("    if not filter:\n        return entries\n", "    if True:\n        return entries\n"),),
         ("tests/checkpoint/test_save_filter.py",),
     ),
+    "35c": Plant(
+        "gradient accumulation holds sharded gradients (#35 item 3)",
+        "no_backward_sync skips the reduce-scatter too (Lightning's FSDP2 control): unsharded gradients every rank",
+        (
+            (
+                "        unit.set_requires_all_reduce(False, recurse=False)\n",
+                "        unit.set_requires_gradient_sync(False, recurse=False)\n",
+            ),
+            (
+                "            unit.set_requires_all_reduce(True, recurse=False)\n",
+                "            unit.set_requires_gradient_sync(True, recurse=False)\n",
+            ),
+        ),
+        ("tests/test_gradients.py",),
+    ),
+    "35d": Plant(
+        "a forward without gradients leaves the model sharded (#35 item 4)",
+        "no reshard after a no-grad forward: the root unit stays gathered, setup_optimizers refuses the optimizer",
+        (("    module.register_forward_hook(_reshard_after_forward_without_gradients)\n", ""),),
+        ("tests/test_fsdp.py::test_a_forward_without_gradients_leaves_the_model_sharded",),
+    ),
 }

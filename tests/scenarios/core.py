@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -79,7 +80,9 @@ def mixed_precision(num_nodes: int, devices: int, precision: str = "bf16-mixed")
     linear = model.module.layers[0].attention.wq
     handle = linear.register_forward_pre_hook(lambda module, args: compute_dtypes.append(module.weight.dtype))
     reduced: dict[str, set[str]] = {"reduce_scatter": set(), "all_reduce": set()}
-    reduce_scatter, all_reduce = dist.reduce_scatter_single, dist.all_reduce
+    # the function FSDP2 calls to reduce-scatter: reduce_scatter_single from torch 2.13, reduce_scatter_tensor before
+    scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    reduce_scatter, all_reduce = getattr(dist, scatter_name), dist.all_reduce
 
     def recording_reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:  # noqa: A002
         reduced["reduce_scatter"].add(str(input.dtype))
@@ -94,9 +97,11 @@ def mixed_precision(num_nodes: int, devices: int, precision: str = "bf16-mixed")
     losses = []
     for _ in range(2):
         loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
-        dist.reduce_scatter_single, dist.all_reduce = recording_reduce_scatter, recording_all_reduce
+        setattr(dist, scatter_name, recording_reduce_scatter)
+        dist.all_reduce = recording_all_reduce
         fabric.backward(loss)
-        dist.reduce_scatter_single, dist.all_reduce = reduce_scatter, all_reduce
+        setattr(dist, scatter_name, reduce_scatter)
+        dist.all_reduce = all_reduce
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -281,9 +286,11 @@ def _gradient_norms(fabric: L.Fabric, model: Any, reference: torch.nn.Module, to
         fabric.backward(loss) if module is model else loss.backward()
     # after the backward: FSDP leaves the root's parameters gathered after a forward (the one above, in no_grad)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.0))
-    with _redistribute.disable_redistribute_transform_optimization():  # max_norm=inf: the gradients stay as they are
+    # torch >= 2.11 merges the all-reduces of several mesh dims into one; 2.8 has no such transform to disable
+    sequential_only = getattr(_redistribute, "disable_redistribute_transform_optimization", contextlib.nullcontext)
+    with sequential_only():  # max_norm=inf: the gradients stay as they are
         sequential = clip_grad_norm(model.parameters(), max_norm=float("inf")).item()
-    _redistribute._warned_flatten_issues.clear()  # DTensor logs a missing flattened dim once per process
+    getattr(_redistribute, "_warned_flatten_issues", set()).clear()  # DTensor logs a missing flattened dim once
     records = _Records()
     logger = logging.getLogger("torch.distributed.tensor")
     logger.addHandler(records)

@@ -161,8 +161,9 @@ def _train_sharded(
     config = getattr(getattr(model, "module", model), "config", None)
     per_micro_batch = forwards[0] / (len(layers) * steps * accumulate)
     state = full_state(model)
-    with torch.no_grad():  # FSDP2 leaves a layer's parameters gathered after forward with reshard_after_forward=False
-        logits_of(model, inputs[:1])
+    # a forward that a backward could follow: FSDP2 leaves a layer's parameters gathered after it with
+    # reshard_after_forward=False (a forward without gradients reshards everything: nothing follows it)
+    logits_of(model, inputs[:1])
     resharded = all(isinstance(p, DTensor) for p in layers[0].parameters())
     use_cache = getattr(config, "use_cache", None)
     return Trained(losses, norms, state, seen, per_micro_batch, use_cache, resharded)

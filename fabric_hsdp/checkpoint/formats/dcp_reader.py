@@ -31,6 +31,7 @@ from fabric_hsdp.checkpoint.core import fileio, watchdog
 from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.formats.torch_chunk import ChunkLayout, chunk_layout
 from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.versions import load_on_meta, stored_bytes
 
 # How far ahead of the chunk being read the next chunks are asked for (see _ReadAhead).
 _READ_AHEAD = 256 << 20
@@ -115,7 +116,7 @@ def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _
         if layout is not None:
             return layout
         view = _create_file_view(stream, info.offset, info.length)
-        stored = torch.load(view, map_location="meta", weights_only=True)
+        stored = load_on_meta(view, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise CheckpointError(
             f"'{file_name}' is truncated or damaged: tensor {item.storage_index.fqn!r} at bytes"
@@ -124,7 +125,7 @@ def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _
     storage = stored.untyped_storage()
     return ChunkLayout(
         start=info.offset + storage._checkpoint_offset,
-        storage_bytes=storage.nbytes(),
+        storage_bytes=stored_bytes(stored),
         dtype=stored.dtype,
         shape=tuple(stored.shape),
         stride=tuple(stored.stride()),

@@ -26,6 +26,7 @@ from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
 from fabric_hsdp.errors import CheckpointError, first_line, refused_pickle
 from fabric_hsdp.logs import warning_on_rank_zero
+from fabric_hsdp.versions import load_on_meta, stored_bytes, zip_record_sizes
 
 _logger = logging.getLogger(__name__)
 
@@ -86,11 +87,10 @@ class TorchFileSource(CheckpointSource):
         if reader.has_record("byteorder"):
             self._byteswap = reader.get_record("byteorder").decode() != sys.byteorder
         # (offset, size) of every storage record, to check the offsets torch reports against the archive itself.
-        self._records = {
-            reader.get_record_offset(name): reader.get_record_size(name) for name in records if name.startswith("data/")
-        }
+        sizes = zip_record_sizes(self._file)
+        self._records = {reader.get_record_offset(name): sizes[name] for name in records if name.startswith("data/")}
         try:
-            obj = torch.load(self._file, map_location="meta", weights_only=weights_only)
+            obj = load_on_meta(self._file, weights_only=weights_only)
         except pickle.UnpicklingError as error:
             if "Weights only load failed" in str(error):
                 raise refused_pickle(self._file, error) from None
@@ -117,16 +117,15 @@ class TorchFileSource(CheckpointSource):
             raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({first_line(error)})") from None
 
     def _locate(self, name: str, tensor: torch.Tensor) -> _Stored:
-        storage = tensor.untyped_storage()
-        start = getattr(storage, "_checkpoint_offset", None)
-        if start is None or self._records.get(start) != storage.nbytes():
+        start = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+        if start is None or self._records.get(start) != stored_bytes(tensor):
             raise CheckpointError(
                 f"'{self._file}': cannot locate the data of tensor {name!r} in the archive (unusual record layout);"
                 " re-save the checkpoint with torch.save"
             )
         return _Stored(
             storage_start=start,
-            storage_bytes=storage.nbytes(),
+            storage_bytes=stored_bytes(tensor),
             info=TensorInfo(name, tensor.shape, tensor.dtype),
             stride=tuple(tensor.stride()),
             storage_offset=tensor.storage_offset(),

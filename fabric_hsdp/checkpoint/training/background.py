@@ -21,7 +21,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import AsyncStager
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.commit import StagedSave
@@ -139,19 +138,17 @@ def start(copies: dict[str, Any], save: StagedSave, group: Any, ready: Any = Non
     """
     import torch.distributed.checkpoint as dcp
 
-    future = dcp.async_save(
-        copies,
-        storage_writer=DirectWriter(save.staged, before_write=ready),
-        planner=SavePlanner(),
-        process_group=group,
-        async_stager=_AlreadyStaged(),
-    )
+    writer = _StagedWriter(save.staged, before_write=ready)
+    future = dcp.async_save(copies, storage_writer=writer, planner=SavePlanner(), process_group=group)
     return BackgroundSave(future, save, watch)
 
 
-class _AlreadyStaged(AsyncStager):
-    """DCP's staging step for a state dict :class:`~fabric_hsdp.checkpoint.training.staging.Stager` already copied:
-    hand it on as it is."""
+class _StagedWriter(DirectWriter):
+    """The writer of a state dict :class:`~fabric_hsdp.checkpoint.training.staging.Stager` already copied.
+
+    ``async_save`` stages through its writer when that is an ``AsyncStager`` (torch's ``FileSystemWriter`` is one)
+    and no ``async_stager=`` is given, which torch < 2.11 cannot take: this writer hands the copies on as they are.
+    """
 
     _synchronize_after_execute = False
 

@@ -39,6 +39,7 @@ from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.tree import map_tree, nbytes, tree_leaves
 from fabric_hsdp.checkpoint.formats.safetensors_file import SAFETENSORS_DTYPES
 from fabric_hsdp.units import parse_bytes
+from fabric_hsdp.versions import zip_record_sizes
 
 TensorLike = torch.Tensor | LazyTensor
 TensorsArg = Mapping[str, TensorLike] | Iterable[tuple[str, TensorLike]]
@@ -129,9 +130,8 @@ def write_torch_file(
             torch.save(skeleton, skeleton_file)
         reader = torch._C.PyTorchFileReader(str(skeleton_file))
         records = [name for name in reader.get_all_records() if name.startswith("data/")]
-        if len(records) != len(leaves) or any(
-            reader.get_record_size(f"data/{i}") != leaf.nbytes for i, (_, leaf) in enumerate(leaves)
-        ):
+        sizes = zip_record_sizes(skeleton_file)
+        if len(records) != len(leaves) or any(sizes[f"data/{i}"] != leaf.nbytes for i, (_, leaf) in enumerate(leaves)):
             raise TypeError("extras hold tensors inside containers other than dict, list or tuple; cannot stream them")
         names = ("data.pkl", ".format_version", ".storage_alignment", "byteorder")
         header = [(name, reader.get_record(name)) for name in names if reader.has_record(name)]

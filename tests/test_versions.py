@@ -1,0 +1,83 @@
+"""``fabric_hsdp.versions``: what differs across the supported torch releases, checked on the torch this runs on
+(``make test-range`` runs this file on the floor, 2.11 and 2.14.1 as well)."""
+
+from __future__ import annotations
+
+import torch
+
+from fabric_hsdp import versions
+
+
+def test_zip_record_sizes_are_each_storage_s_bytes(tmp_path):
+    file = tmp_path / "state.pth"
+    tensors = {
+        "a": torch.zeros(3, 5),
+        "b": torch.arange(7, dtype=torch.int16),
+        "c": torch.ones((), dtype=torch.bfloat16),
+    }
+    torch.save(tensors, file)
+    sizes = versions.zip_record_sizes(file)
+    records = torch._C.PyTorchFileReader(str(file)).get_all_records()
+    assert set(sizes) == set(records)  # the names torch's own reader uses
+    data = sorted((name for name in sizes if name.startswith("data/")), key=lambda name: int(name.split("/")[1]))
+    assert sorted(sizes[name] for name in data) == sorted(t.untyped_storage().nbytes() for t in tensors.values())
+    if hasattr(torch._C.PyTorchFileReader, "get_record_size"):  # torch >= 2.13: torch's own answer agrees
+        reader = torch._C.PyTorchFileReader(str(file))
+        assert {name: reader.get_record_size(name) for name in data} == {name: sizes[name] for name in data}
+
+
+def test_accepts_reads_the_signature():
+    def function(a, *, b=1):
+        return a, b
+
+    assert versions.accepts(function, "b") and not versions.accepts(function, "c")
+
+
+def test_the_installed_torch_and_lightning_are_in_the_declared_range():
+    """The package's declared floors are the releases ``make test-range`` tests: an older one is not supported."""
+    from importlib.metadata import requires
+
+    import lightning
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    ranges = {Requirement(text).name: Requirement(text).specifier for text in requires("fabric-hsdp")}
+    assert Version(torch.__version__.split("+")[0]) in ranges["torch"]
+    assert Version(lightning.__version__) in ranges["lightning"]
+
+
+def test_a_group_with_a_cpu_backend_is_bound_to_the_device_only_where_split_groups_keep_it(monkeypatch):
+    """torch 2.8's split groups register CUDA only: a ``cpu:gloo,cuda:nccl`` group (CPU offload) stays unbound
+    there, else its mesh groups have no CPU backend. Checked against torch's own split on this release."""
+    import torch.distributed as dist
+
+    splits_every_backend = hasattr(dist.ProcessGroup, "split_group")
+    assert versions.may_bind_device("nccl") and versions.may_bind_device("cuda:nccl")
+    assert versions.may_bind_device("cpu:gloo,cuda:nccl") == splits_every_backend
+    if splits_every_backend:
+        monkeypatch.delattr(dist.ProcessGroup, "split_group")  # what torch < 2.11 has
+        assert not versions.may_bind_device("cpu:gloo,cuda:nccl")
+
+
+def test_the_dry_runs_plan_validator_passes_a_plan_torchs_own_refuses():
+    """A plan holding one rank's chunk of a tensor that spans two ranks: torch's validator refuses it, the stand-in
+    passes it on this release, whichever form torch's answer takes (``True`` before 2.13, ``[]`` from 2.13)."""
+    from torch.distributed.checkpoint import default_planner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]), [chunk])
+    metadata = Metadata(state_dict_metadata={"w": tensor})
+    plans = [SavePlan([]), SavePlan([])]
+
+    def passes(answer) -> bool:
+        return answer is True or answer == []
+
+    assert not passes(default_planner._validate_global_plan(plans, metadata))  # half the tensor: refused
+    assert passes(versions.passing_plan_validator()(plans, metadata))
