@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins import Precision
+from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
 
 from fabric_hsdp import versions
@@ -55,6 +57,32 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     if not dtypes.mixed:  # "true" precisions built the parameters in their dtype: nothing to cast
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=getattr(torch, dtypes.compute), reduce_dtype=getattr(torch, dtypes.reduce))
+
+
+class PolicyMixedPrecision(MixedPrecision):
+    """Fabric's ``"bf16-mixed"`` under FSDP2, whose policy computes with bf16 parameters and reduces in fp32.
+
+    Lightning's ``MixedPrecision`` runs ``torch.autocast`` on top (casting what is bf16 already, and upcasting
+    norms and softmax) and converts the outputs to fp32 (at 8k tokens x 128k vocabulary a 4.2 GB copy of the logits,
+    plus its gradient). Here the forward runs as the policy casts it (torchtitan's way), and outputs come back as
+    computed: take ``logits.float()`` for an fp32 loss.
+    """
+
+    def forward_context(self) -> Any:
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def convert_output(self, data: Any) -> Any:
+        return data
+
+
+def precision_plugin(plugin: Precision | None) -> Precision | None:
+    """The plugin to use for the one Fabric chose: :class:`PolicyMixedPrecision` in place of ``"bf16-mixed"``'s
+    autocast; others (fp16 keeps autocast and its loss scaler) as they are."""
+    if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
+        return PolicyMixedPrecision("bf16-mixed", plugin.device)
+    return plugin
 
 
 def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> OffloadPolicy:

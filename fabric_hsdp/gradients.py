@@ -63,7 +63,8 @@ def clip_grad_norm(
         return torch.tensor(0.0)
     norms = []
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite)
+        # the non-finite check once, on the total: per group it would wait for the device once more per mesh
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite=False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type, error_if_nonfinite)
     for params in groups.values():

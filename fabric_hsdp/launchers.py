@@ -191,6 +191,26 @@ def check_launch(
         )
 
 
+def one_gpu_per_task(environ: Mapping[str, str] | None = None) -> str | None:
+    """What to change when SLURM binds one GPU to each task of several on a node, else ``None``.
+
+    With ``--gpus-per-task=1`` (or ``--gpu-bind`` giving one GPU per task) every process sees one device, ``cuda:0``,
+    and ``Fabric(devices=8)`` stops with Lightning's "only has [0]" before the strategy can say why.
+    """
+    env = os.environ if environ is None else environ
+    tasks = _uniform_count(env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    visible = [device for device in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if device]
+    bound = env.get("SLURM_GPUS_PER_TASK") == "1" or (len(visible) == 1 and "SLURM_STEP_GPUS" in env)
+    if "SLURM_JOB_ID" not in env or (tasks or 1) < 2 or not bound:
+        return None
+    return (
+        f"SLURM binds one GPU to each of the {tasks} tasks on this node (--gpus-per-task=1 or --gpu-bind), so each"
+        f" process sees only cuda:0 and Fabric(devices={tasks}) fails with 'only has [0]'. Ask for the node's GPUs"
+        f" instead: `#SBATCH --gpus-per-node={tasks}` (or --gres=gpu:{tasks}) without --gpus-per-task, and keep"
+        f" --ntasks-per-node={tasks}: each rank then takes cuda:LOCAL_RANK."
+    )
+
+
 def describe_launch(
     launcher: Launcher, environment: ClusterEnvironment | None, environ: Mapping[str, str] | None = None
 ) -> str:

@@ -13,6 +13,8 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import Strategy
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor
@@ -24,9 +26,15 @@ from fabric_hsdp import distributed
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
-from fabric_hsdp.fsdp import ModulePolicy, check_optimizer_is_sharded, parameter_names, repoint_optimizers
+from fabric_hsdp.fsdp import (
+    ModulePolicy,
+    check_optimizer_is_sharded,
+    parameter_names,
+    precision_plugin,
+    repoint_optimizers,
+)
 from fabric_hsdp.gradients import ReplicaSyncControl, clip_grad_norm
-from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for
+from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for, one_gpu_per_task
 from fabric_hsdp.materialize import parameters_on_meta
 from fabric_hsdp.parallelize import levers_of, set_up_module
 from fabric_hsdp.planning import auto
@@ -167,6 +175,8 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         precision: Precision | None = None,
     ) -> None:
         self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
+        if (binding := one_gpu_per_task()) is not None:  # before Fabric's own "only has [0]"
+            rank_zero_warn(binding)
         environment = cluster_environment or environment_for(self._launched_by)
         super().__init__(accelerator, parallel_devices, environment, precision, process_group_backend)
         self._levers = levers_of(
@@ -194,6 +204,15 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         self._timeout = timeout
         self._backward_sync_control = ReplicaSyncControl()
         self._sharded = ShardedModuleRegistry()
+
+    @property
+    def precision(self) -> Precision:
+        """Fabric's precision plugin; ``"bf16-mixed"`` without autocast (FSDP2's policy is the mixed precision)."""
+        return Strategy.precision.fget(self)
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        Strategy.precision.fset(self, precision_plugin(precision))
 
     @property
     def device_mesh(self) -> Any:

@@ -319,3 +319,15 @@ def _set_environ(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]) -> No
             monkeypatch.delenv(name)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
+
+
+def test_one_gpu_bound_per_slurm_task_names_the_fix():
+    from fabric_hsdp.launchers import one_gpu_per_task
+
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "8"}
+    message = one_gpu_per_task({**slurm, "SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "3"})
+    assert "--gpus-per-node=8" in message and "only has [0]" in message and "--ntasks-per-node=8" in message
+    assert one_gpu_per_task({**slurm, "SLURM_STEP_GPUS": "3", "CUDA_VISIBLE_DEVICES": "3"}) is not None  # --gpu-bind
+    assert one_gpu_per_task({**slurm, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) is None  # the node's GPUs
+    assert one_gpu_per_task({**slurm, "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_PER_TASK": "1"}) is None
+    assert one_gpu_per_task({"SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "0"}) is None  # not in SLURM

@@ -110,6 +110,10 @@ def test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32(p
     for facts in launch("tests.scenarios.core:mixed_precision", {"precision": precision}).check().values:
         assert facts["precision"] == precision
         assert facts["compute_dtypes"] == [half, half]
+        # bf16: FSDP2's policy is the mixed precision (no autocast on top, the logits as computed, no fp32 copy);
+        # fp16 keeps autocast (fp32 softmax and norms) and Fabric's fp32 outputs
+        assert facts["autocast"] == [precision == "16-mixed"] * 2
+        assert facts["output_dtypes"] == [half if precision == "bf16-mixed" else "torch.float32"]
         assert facts["master_dtypes"] == ["torch.float32"]
         assert facts["optimizer_state_dtypes"] == ["torch.float32"]
         # the gradients are reduce-scattered over "shard" and all-reduced over "replicate" in fp32

@@ -383,4 +383,27 @@ PLANTS: dict[str, Plant] = {
         (("    module.register_forward_hook(_reshard_after_forward_without_gradients)\n", ""),),
         ("tests/test_fsdp.py::test_a_forward_without_gradients_leaves_the_model_sharded",),
     ),
+    "35a": Plant(
+        "async staging copies straight from the live shards (#35 item 1)",
+        "qkv's pieces joined by torch.cat before the copy (a temporary the side stream is not ordered after)",
+        (
+            (
+                "        sources = [local.detach()[piece.start : piece.stop] for piece in mine]\n",
+                "        sources = [local.detach()[piece.start : piece.stop] for piece in mine]\n"
+                "        sources = [torch.cat(sources)] if len(sources) > 1 else sources\n",
+            ),
+        ),
+        ("tests/checkpoint/test_staging.py::test_staging_copies_straight_from_the_live_shards",),
+    ),
+    "35e": Plant(
+        "bf16-mixed without autocast on top of FSDP2's policy (#35 item 8)",
+        "Fabric's MixedPrecision kept: autocast inside every block, logits upcast to fp32",
+        (
+            (
+                '    if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":\n',
+                '    if False and type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":\n',
+            ),
+        ),
+        ("tests/test_strategy.py::test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32",),
+    ),
 }

@@ -78,7 +78,13 @@ def mixed_precision(num_nodes: int, devices: int, precision: str = "bf16-mixed")
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     compute_dtypes = []
     linear = model.module.layers[0].attention.wq
-    handle = linear.register_forward_pre_hook(lambda module, args: compute_dtypes.append(module.weight.dtype))
+    autocast = []
+
+    def record(module: torch.nn.Module, args: Any) -> None:
+        compute_dtypes.append(module.weight.dtype)
+        autocast.append(torch.is_autocast_enabled("cpu"))
+
+    handle = linear.register_forward_pre_hook(record)
     reduced: dict[str, set[str]] = {"reduce_scatter": set(), "all_reduce": set()}
     # the function FSDP2 calls to reduce-scatter: reduce_scatter_single from torch 2.13, reduce_scatter_tensor before
     scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
@@ -94,9 +100,11 @@ def mixed_precision(num_nodes: int, devices: int, precision: str = "bf16-mixed")
         return all_reduce(tensor, *args, **kwargs)
 
     inputs, targets = batch(2, seed=fabric.global_rank)
-    losses = []
+    losses, output_dtypes = [], set()
     for _ in range(2):
-        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        logits = model(inputs)
+        output_dtypes.add(str(logits.dtype))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         setattr(dist, scatter_name, recording_reduce_scatter)
         dist.all_reduce = recording_all_reduce
         fabric.backward(loss)
@@ -111,6 +119,8 @@ def mixed_precision(num_nodes: int, devices: int, precision: str = "bf16-mixed")
         "precision": fabric.strategy.precision_name,
         "initialized_after_teardown": dist.is_initialized(),
         "compute_dtypes": [str(d) for d in compute_dtypes],
+        "autocast": autocast,
+        "output_dtypes": sorted(output_dtypes),
         "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "optimizer_state_dtypes": sorted(
             {str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"}

@@ -152,6 +152,12 @@ class _StagedWriter(DirectWriter):
 
     _synchronize_after_execute = False
 
+    def __init__(self, path: Any, *, before_write: Any = None) -> None:
+        super().__init__(path, before_write=before_write)
+        # the copies are on the host already: DCP's serial loader, not the overlapping one that syncs CUDA streams
+        # on the writing thread's device (GPU 0 for every rank)
+        self.per_thread_copy_ahead = 0
+
     def stage(self, state_dict: Any) -> Any:
         return state_dict
 

@@ -11,9 +11,11 @@ costs a page fault per 4 KiB. :class:`Stager` instead
    and presents them to DCP as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (the boxes of the stored tensors
    they hold), leaving out everything this rank does not write. DCP's planning inside the write then finds each
    chunk on one rank only, so the checkpoint is the same as a blocking save's;
-3. on CUDA, issues the copies on a side stream that first waits for the compute stream, non-blocking, and makes the
-   compute stream wait for them (training's next in-place update cannot overwrite a shard before it is copied;
-   the host does not wait); the writing thread synchronises on the copies' event before it reads the buffers.
+3. on CUDA, issues the copies on a side stream, each after the compute stream's work so far, non-blocking, straight
+   from views of the live shards into their rows of the buffer (no temporary made on the compute stream), and makes
+   the compute stream wait for them (training's next in-place update cannot overwrite a shard before it is copied;
+   the host does not wait); the writing thread sets the rank's device and synchronises on the copies' event before
+   it reads the buffers.
 
 Extra host memory during a background save is then about ``1/R`` of the rank's state (plus small non-tensor
 entries), and ``fabric.save`` returns once the copies are issued.
@@ -113,6 +115,7 @@ class _Copies:
         self.used: dict[tuple, torch.Tensor] = {}
         self.nbytes = 0
         self._cuda = False
+        self._device: torch.device | None = None
 
     def stage(self, fqn: str, value: Any, offsets: set) -> Any:
         from torch.distributed.tensor import DTensor
@@ -136,39 +139,56 @@ class _Copies:
             kept.append(Piece(rows, rows + piece.stop - piece.start, piece.offsets))
             rows += piece.stop - piece.start
         key = (fqn, *(tuple(piece.offsets) for piece in mine))
-        if len(mine) == 1:
-            source = local.detach()[mine[0].start : mine[0].stop]
-        else:
-            source = torch.cat([local.detach()[piece.start : piece.stop] for piece in mine])
-        return StoredBoxes(self._copy(key, source.contiguous()), size, kept)
+        # each piece straight into its rows of the buffer: a joined temporary (torch.cat) would be made on the
+        # compute stream after the copy stream's wait, and the copy could read it before it is written
+        sources = [local.detach()[piece.start : piece.stop] for piece in mine]
+        return StoredBoxes(self._copy(key, sources, (rows, *local.shape[1:])), size, kept)
 
-    def _copy(self, key: tuple, source: torch.Tensor) -> torch.Tensor:
+    def _copy(self, key: tuple, sources: torch.Tensor | list[torch.Tensor], shape: Any = None) -> torch.Tensor:
+        """Copy ``sources`` (views of the live state, one after the other along dim 0) into the kept buffer."""
+        sources = sources if isinstance(sources, list) else [sources]
+        shape = sources[0].shape if shape is None else torch.Size(shape)
+        dtype, device = sources[0].dtype, sources[0].device
         buffer = self._stager._buffers.get(key)
-        cuda = source.device.type == "cuda"
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=cuda)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
         self.used[key] = buffer
         self.nbytes += buffer.nbytes
-        if cuda:
-            stream = self._stager._copy_stream()
-            if not self._cuda:
-                stream.wait_stream(torch.cuda.current_stream(source.device))  # copy what training last wrote
-                self._cuda = True
-            with torch.cuda.stream(stream):
-                buffer.copy_(source, non_blocking=True)
-            source.record_stream(stream)  # its memory is not reused until the copy has run
-        else:
-            buffer.copy_(source)
+        row = 0
+        for source in sources:
+            rows = source.shape[0] if source.ndim else 1
+            self._copy_rows(buffer[row : row + rows] if source.ndim else buffer, source)
+            row += rows
         return buffer
 
+    def _copy_rows(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        if source.device.type != "cuda":
+            target.copy_(source)
+            return
+        stream = self._stager._copy_stream()
+        if not self._cuda:
+            self._device = source.device
+            self._cuda = True
+        stream.wait_stream(torch.cuda.current_stream(source.device))  # after what training last wrote
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+        source.record_stream(stream)  # its memory is not reused until the copy has run
+
     def finish(self) -> Callable[[], None]:
-        """End the copies; returns what the writer calls before reading the buffers."""
+        """End the copies; returns what the writer calls before reading the buffers (in DCP's writing thread)."""
         if not self._cuda:
             return lambda: None
         event = torch.cuda.Event()
         event.record(self._stager._copy_stream())
         torch.cuda.current_stream().wait_event(event)  # training's next kernels run after the copies, host not blocked
-        return event.synchronize
+        device = self._device
+
+        def ready() -> None:
+            # the writing thread's current device is cuda:0 until set: every rank would open a context on GPU 0
+            torch.cuda.set_device(device)
+            event.synchronize()
+
+        return ready
 
 
 def copy_to_cpu(value: Any) -> Any:
