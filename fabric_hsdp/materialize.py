@@ -21,6 +21,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_warn
 from torch import nn
 
+from fabric_hsdp.versions import compute_local_shape_and_global_offset, module_buffers, module_parameters
+
 if TYPE_CHECKING:
     from fabric_hsdp.topology import ParallelMesh
 
@@ -36,7 +38,7 @@ def parameters_on_meta() -> Iterator[None]:
         original(module, name, param)
         if param is not None and not param.is_meta:
             # __init__ usually calls reset_parameters() right after this: on meta it costs nothing.
-            module._parameters[name] = nn.Parameter(param.to(_META), requires_grad=param.requires_grad)
+            module_parameters(module)[name] = nn.Parameter(param.to(_META), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
@@ -110,7 +112,6 @@ def _init_like_transformers(pretrained: nn.Module, sub: nn.Module) -> None:
 def _zero_row(weight: torch.Tensor, row: int) -> None:
     """Zero row ``row`` of the full tensor ``weight`` (a DTensor: in the local shard, if this rank holds it)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(weight, DTensor):
         weight.data[row].zero_()
@@ -168,13 +169,13 @@ def materialize_local_shards(module: nn.Module, device: torch.device, position_i
     saved_buffers = [
         (sub, name, buffer)
         for sub in module.modules()
-        for name, buffer in sub._buffers.items()
+        for name, buffer in module_buffers(sub).items()
         if buffer is not None and not buffer.is_meta
     ]
     # Called on the root so FSDP2 swaps its sharded parameters consistently.
     module.to_empty(device=device)
     for sub, name, buffer in saved_buffers:
-        sub._buffers[name] = buffer.to(device)
+        module_buffers(sub)[name] = buffer.to(device)
     if local_shards_on_cpu(module):
         seed = [torch.initial_seed()]
         dist.broadcast_object_list(seed, src=0)

@@ -34,6 +34,13 @@ from fabric_hsdp.fsdp import (
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards
 from fabric_hsdp.topology import validate_tensor_parallel_size
+from fabric_hsdp.versions import (
+    async_collective_tensor,
+    c10d_functional_ops,
+    composable_checkpoint,
+    tree_map_only,
+    wait_tensor,
+)
 
 if TYPE_CHECKING:
     from fabric_hsdp.tensor_parallel import AppliedPlan, TensorParallelPlan
@@ -199,10 +206,7 @@ def finish_collectives_before_units(module: nn.Module, units: list[tuple[str, nn
 
 
 def _finished_output(module: nn.Module, args: Any, output: Any) -> Any:
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(AsyncCollectiveTensor, _WaitCollective.apply, output)
+    return tree_map_only(async_collective_tensor(), _WaitCollective.apply, output)
 
 
 class _WaitCollective(torch.autograd.Function):
@@ -210,8 +214,6 @@ class _WaitCollective(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import wait_tensor
-
         return wait_tensor(tensor)
 
     @staticmethod
@@ -231,16 +233,14 @@ def apply_activation_checkpointing(
 
     The composable API hooks the modules, so parameter names (and checkpoints) are unchanged.
     """
-    from torch.distributed._composable import checkpoint
-
     checkpointed = [(name, child) for name, child in module.named_modules() if name and selected(name, child)]
     if isinstance(mode, int):
         checkpointed = [pair for index, pair in enumerate(checkpointed, start=1) if index % mode == 0]
     for _, child in checkpointed:
         if mode == "selective":
-            checkpoint(child, context_fn=selective_checkpoint_contexts)
+            composable_checkpoint(child, context_fn=selective_checkpoint_contexts)
         else:
-            checkpoint(child)
+            composable_checkpoint(child)
     if checkpointed:
         disable_kv_cache(module, "activation checkpointing")
         info_on_rank_zero(_logger, "activation checkpointing (%s): %d modules", mode, len(checkpointed))
@@ -261,7 +261,7 @@ def saved_ops() -> list[Any]:
     ):
         if hasattr(aten, name):
             ops.append(getattr(aten, name).default)
-    functional = torch.ops._c10d_functional
+    functional = c10d_functional_ops()
     for name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"):
         if hasattr(functional, name):
             ops.append(getattr(functional, name).default)

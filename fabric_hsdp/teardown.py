@@ -18,6 +18,8 @@ import weakref
 import torch.distributed as dist
 from torch import nn
 
+from fabric_hsdp.versions import composable_state_keys, module_hook_dicts
+
 
 class ShardedModuleRegistry:
     """Weak references to the modules the strategy sharded, released together at the end."""
@@ -41,20 +43,12 @@ class ShardedModuleRegistry:
 
 
 def _release(module: nn.Module) -> None:
-    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
-
+    state_key, registry_key = composable_state_keys()
     for submodule in module.modules():
-        submodule.__dict__.pop(STATE_KEY, None)
-        submodule.__dict__.pop(REGISTRY_KEY, None)
+        submodule.__dict__.pop(state_key, None)
+        submodule.__dict__.pop(registry_key, None)
         # FSDP2's hooks are bound methods of its state objects: drop them too, or they keep the state alive.
-        for hooks in (
-            submodule._forward_pre_hooks,
-            submodule._forward_hooks,
-            submodule._forward_pre_hooks_with_kwargs,
-            submodule._forward_hooks_with_kwargs,
-            submodule._backward_pre_hooks,
-            submodule._backward_hooks,
-        ):
+        for hooks in module_hook_dicts(submodule):
             hooks.clear()
 
 

@@ -206,13 +206,15 @@ class Topology:
         """The named mesh over all ranks (needs the default process group)."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        from fabric_hsdp.versions import flatten_mesh
+
         device_mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
         if self.tensor_parallel_size > 1:
             # A DTensor split by FSDP and TP is partial over (shard, tensor) when reduced whole (the gradient norm):
             # DTensor uses one all-reduce over both dims only if this flattened dim exists, else it runs one per dim
             # and logs "While redistributing ... flatten mesh dimensions ["shard", "tensor"]" (as torchtitan's
             # flattened data-parallel dims)
-            device_mesh[SHARD_DIM, TENSOR_DIM]._flatten(SHARD_TENSOR_DIM)
+            flatten_mesh(device_mesh[SHARD_DIM, TENSOR_DIM], SHARD_TENSOR_DIM)
         return ParallelMesh(self, device_mesh)
 
     def describe(self) -> str:

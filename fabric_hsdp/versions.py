@@ -3,7 +3,7 @@
 Supported and tested: torch 2.8 to 2.14 with Lightning 2.6.1 or newer (``make test-range`` runs the core tests on
 torch 2.8 with Lightning 2.6.1, on 2.11 and on 2.14.1; ``make test`` the whole suite on 2.13). Each shim detects the
 feature, not the version number, and says which releases need it; code elsewhere calls these instead of branching
-on versions.
+on versions. The private torch names the package uses are reached through here only (see the end of the file).
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ def load_on_meta(file: str | Path | IO[bytes], *, weights_only: bool) -> Any:
     """
     if _meta_load_sets_offsets():
         return torch.load(file, map_location="meta", weights_only=weights_only)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
+    with fake_tensor_mode():
         return torch.load(file, map_location="meta", weights_only=weights_only)
 
 
@@ -59,7 +57,7 @@ def _meta_load_sets_offsets() -> bool:
     torch.save(torch.zeros(2), probe)
     probe.seek(0)
     loaded = torch.load(probe, map_location="meta", weights_only=True)
-    return getattr(loaded.untyped_storage(), "_checkpoint_offset", None) is not None
+    return checkpoint_offset(loaded.untyped_storage()) is not None
 
 
 @cache
@@ -103,3 +101,233 @@ def gloo_reduces_average_as_sum(device_type: str) -> bool:
     Summing and dividing is exact on every release, so CPU meshes (gloo) always do it; CUDA's NCCL averages.
     """
     return device_type == "cpu"
+
+
+# Private torch names: every use in the package goes through here.
+#
+# A torch release that moves or renames one breaks this file only (tests/test_versions.py checks that no other module
+# names one). Each is looked up when called, so importing this module imports no more of torch than ``import torch``.
+
+# torch._C: the zip reader and writer of torch.save's format.
+
+
+def torch_file_reader(file: str) -> Any:
+    """``torch._C.PyTorchFileReader``: the records of the torch zip file ``file``."""
+    return torch._C.PyTorchFileReader(file)
+
+
+def torch_file_writer(file: Any) -> Any:
+    """``torch._C.PyTorchFileWriter``: writes torch zip records to a path or a stream."""
+    return torch._C.PyTorchFileWriter(file)
+
+
+# torch.storage, torch.serialization: what torch.save pickles and torch.load sets.
+
+
+def dtype_to_storage_type_map() -> dict[torch.dtype, str]:
+    """``torch.storage._dtype_to_storage_type_map()``: ``torch.float32`` -> ``"FloatStorage"``, ..."""
+    return torch.storage._dtype_to_storage_type_map()
+
+
+def serialization_get_layout() -> Any:
+    """``torch.serialization._get_layout``, a global that DCP's pickled ``.metadata`` names."""
+    return torch.serialization._get_layout
+
+
+def checkpoint_offset(storage: Any) -> int | None:
+    """The byte offset in its file of a storage from :func:`load_on_meta` (``_checkpoint_offset``), else None."""
+    return getattr(storage, "_checkpoint_offset", None)
+
+
+# torch._subclasses.fake_tensor
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """``FakeTensorMode(**kwargs)``: tensors made within it have a shape and a dtype but no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+# torch.nn: Module's own dicts and hooks, the dropout base class.
+
+
+def module_parameters(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._parameters``: its own parameters by name (setting an entry skips ``register_parameter``)."""
+    return module._parameters
+
+
+def module_buffers(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._buffers``: its own buffers by name."""
+    return module._buffers
+
+
+def module_hook_dicts(module: torch.nn.Module) -> tuple[dict, ...]:
+    """Every dict of forward and backward hooks ``module`` holds."""
+    return (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._forward_pre_hooks_with_kwargs,
+        module._forward_hooks_with_kwargs,
+        module._backward_pre_hooks,
+        module._backward_hooks,
+    )
+
+
+def register_state_dict_hook(module: torch.nn.Module, hook: Any) -> Any:
+    """``module._register_state_dict_hook(hook)``: ``hook(module, state_dict, prefix, local_metadata)``."""
+    return module._register_state_dict_hook(hook)
+
+
+def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Any) -> Any:
+    """``module._register_load_state_dict_pre_hook(hook)``: ``hook(state_dict, prefix, *args)``."""
+    return module._register_load_state_dict_pre_hook(hook)
+
+
+def dropout_base_class() -> type:
+    """``torch.nn.modules.dropout._DropoutNd``: the base of every ``nn.Dropout`` kind."""
+    return torch.nn.modules.dropout._DropoutNd
+
+
+# torch.utils._pytree
+
+
+def tree_map_only(type_or_types: Any, function: Any, tree: Any) -> Any:
+    """``tree_map_only``: ``function`` applied to the leaves of ``tree`` of the given type(s)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(type_or_types, function, tree)
+
+
+# torch.distributed.distributed_c10d, torch.distributed.device_mesh
+
+
+def default_process_group_store() -> Any:
+    """``distributed_c10d._get_default_store()``: the default process group's store."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``DeviceMesh._flatten(name)``: one mesh dim named ``name`` over all of ``mesh``'s dims."""
+    return mesh._flatten(name)
+
+
+# torch.distributed.tensor._utils
+
+
+def compute_local_shape_and_global_offset(global_shape: Any, mesh: Any, placements: Any) -> tuple:
+    """The shape of this rank's local shard of a DTensor and its offset in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(global_shape, mesh, placements)
+
+
+# torch.distributed._functional_collectives, torch.ops._c10d_functional
+
+
+def async_collective_tensor() -> type:
+    """``AsyncCollectiveTensor``: a functional collective's result, waited for on first use."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return AsyncCollectiveTensor
+
+
+def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``wait_tensor``: wait for ``tensor``'s functional collective."""
+    from torch.distributed._functional_collectives import wait_tensor
+
+    return wait_tensor(tensor)
+
+
+def c10d_functional_ops() -> Any:
+    """``torch.ops._c10d_functional``: the functional collectives' ops."""
+    return torch.ops._c10d_functional
+
+
+# torch.distributed._composable
+
+
+def composable_checkpoint(module: torch.nn.Module, **kwargs: Any) -> Any:
+    """``torch.distributed._composable.checkpoint``: activation checkpointing by hooks on ``module``."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint(module, **kwargs)
+
+
+def composable_state_keys() -> tuple[str, str]:
+    """``STATE_KEY`` and ``REGISTRY_KEY``: where composable APIs (``fully_shard``) keep state in a module's
+    ``__dict__``."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+
+    return STATE_KEY, REGISTRY_KEY
+
+
+# torch.distributed.checkpoint: _nested_dict, _traverse, _dedup_save_plans, state_dict, filesystem, utils
+
+
+def flatten_state_dict(state_dict: Any) -> tuple[dict, dict]:
+    """DCP's ``flatten_state_dict``: the nested state dict flat, and the mapping back."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state_dict)
+
+
+def unflatten_state_dict(state_dict: Any, mapping: Any) -> dict:
+    """DCP's ``unflatten_state_dict``: the inverse of :func:`flatten_state_dict`."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    return unflatten_state_dict(state_dict, mapping)
+
+
+def set_element(root: Any, path: Any, value: Any) -> None:
+    """DCP's ``set_element``: set ``value`` at ``path`` inside the nested ``root``."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def dedup_save_plans(plans: list) -> list:
+    """DCP's ``dedup_save_plans``: each item written by one rank only."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+    return dedup_save_plans(plans)
+
+
+def get_fqns(model: torch.nn.Module, name: str) -> set[str]:
+    """DCP's ``_get_fqns``: the state-dict names of ``model``'s parameter ``name``."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return _get_fqns(model, name)
+
+
+def dcp_storage_info() -> type:
+    """``filesystem._StorageInfo``: where a DCP item's bytes lie (``relative_path``, ``offset``, ``length``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def create_file_view(stream: Any, offset: int, length: int) -> Any:
+    """DCP's ``_create_file_view``: ``length`` bytes of ``stream`` from ``offset``, as a stream."""
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    return _create_file_view(stream, offset, length)
+
+
+def dcp_dist_wrapper() -> type:
+    """``utils._DistWrapper``, DCP's collectives; the dry run patches it in place."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    return _DistWrapper
+
+
+# torch.testing._internal
+
+
+def fake_store_class() -> type:
+    """``FakeStore``, the fake process group's store; the import registers the ``"fake"`` backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore

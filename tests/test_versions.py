@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import torch
 
 from fabric_hsdp import versions
@@ -81,3 +84,48 @@ def test_the_dry_runs_plan_validator_passes_a_plan_torchs_own_refuses():
 
     assert not passes(default_planner._validate_global_plan(plans, metadata))  # half the tensor: refused
     assert passes(versions.passing_plan_validator()(plans, metadata))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_torch_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """The lines of ``tree`` that import a private torch module or name, or read a private attribute through a name
+    bound to torch (``torch._C.X``, ``dist.distributed_c10d._f``, ``nn.modules.dropout._DropoutNd``)."""
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    bound.add(alias.asname or "torch")
+                    if any(map(_private, alias.name.split("."))):
+                        found.append((node.lineno, alias.name))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if any(map(_private, [*node.module.split("."), alias.name])):
+                    found.append((node.lineno, f"{node.module}.{alias.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, root = [node.attr], node.value
+            while isinstance(root, ast.Attribute):
+                chain.append(root.attr)
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                found.append((node.lineno, ".".join([root.id, *reversed(chain)])))
+    return found
+
+
+def test_no_private_torch_name_outside_the_versions_module():
+    """Private torch names (``torch._C``, ``torch.distributed.checkpoint._nested_dict``, ...) are reached through
+    ``fabric_hsdp/versions.py`` only, so a torch release that moves one breaks that file alone. A simple ast walk:
+    private attributes of torch objects held in variables (``mesh._flatten``) are not seen."""
+    package = Path(versions.__file__).parent
+    uses = [
+        f"{path.relative_to(package.parent)}:{line}: {name}"
+        for path in sorted(package.rglob("*.py"))
+        if path != package / "versions.py"
+        for line, name in _private_torch_names(ast.parse(path.read_text(), str(path)))
+    ]
+    assert not uses, "private torch names outside fabric_hsdp/versions.py:\n" + "\n".join(uses)

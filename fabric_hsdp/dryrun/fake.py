@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from fabric_hsdp.versions import passing_plan_validator
+from fabric_hsdp.versions import dcp_dist_wrapper, fake_store_class, passing_plan_validator
 
 _ACTIVE = False
 
@@ -66,16 +66,16 @@ def fake_process_group() -> Iterator[None]:
     with this rank's own objects."""
     global _ACTIVE
     import torch.distributed.checkpoint.default_planner as default_planner
-    import torch.distributed.checkpoint.utils as dcp_utils
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
+    fake_store = fake_store_class()  # registers backend "fake"
+    dist_wrapper = dcp_dist_wrapper()  # DCP's own class, patched in place
     original_init = dist.init_process_group
     original_new_group = dist.new_group
-    original_wrapper_init = dcp_utils._DistWrapper.__init__
+    original_wrapper_init = dist_wrapper.__init__
 
     def init_process_group(backend: Any = None, init_method: Any = None, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("store", None)
-        original_init("fake", *args, store=FakeStore(), **kwargs)
+        original_init("fake", *args, store=fake_store(), **kwargs)
 
     def new_group(*args: Any, **kwargs: Any) -> Any:
         kwargs.pop("backend", None)
@@ -95,7 +95,7 @@ def fake_process_group() -> Iterator[None]:
             ("scatter_object_list", _scatter_object_list),
         ):
             stack.enter_context(mock.patch.object(dist, name, replacement))
-        stack.enter_context(mock.patch.object(dcp_utils._DistWrapper, "__init__", one_rank_wrapper))
+        stack.enter_context(mock.patch.object(dist_wrapper, "__init__", one_rank_wrapper))
         stack.enter_context(mock.patch.object(default_planner, "_validate_global_plan", passing_plan_validator()))
         _ACTIVE = True
         try:

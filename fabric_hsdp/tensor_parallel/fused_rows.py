@@ -24,13 +24,14 @@ import torch
 from torch import nn
 
 from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, in_module_layout
+from fabric_hsdp.versions import module_parameters, register_load_state_dict_pre_hook, register_state_dict_hook
 
 
 def add_state_dict_hooks(module: nn.Module, fused: FusedRows) -> None:
     """Make ``module``'s state dict hold its fused parameters in the stored order, and its loads take that order."""
 
     def keys(prefix: str, state_dict: dict[str, Any]) -> Iterator[str]:
-        for name in module._parameters:
+        for name in module_parameters(module):
             key = prefix + name
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == fused.rows:
@@ -56,12 +57,12 @@ def add_state_dict_hooks(module: nn.Module, fused: FusedRows) -> None:
         if in_module_layout():
             return
         for key in list(keys(prefix, state_dict)):
-            value, param = state_dict[key], module._parameters[key[len(prefix) :]]
+            value, param = state_dict[key], module_parameters(module)[key[len(prefix) :]]
             full = value.full_tensor() if isinstance(value, DTensor) else value
             regrouped = fused.to_module_order(full.to(param.device))
             if isinstance(param, DTensor):
                 regrouped = distribute_tensor(regrouped, param.device_mesh, param.placements, src_data_rank=None)
             state_dict[key] = regrouped
 
-    module._register_state_dict_hook(to_stored)
-    module._register_load_state_dict_pre_hook(to_module)
+    register_state_dict_hook(module, to_stored)
+    register_load_state_dict_pre_hook(module, to_module)

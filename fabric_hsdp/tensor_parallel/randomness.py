@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fabric_hsdp.versions import dropout_base_class
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -89,7 +91,7 @@ def has_dropout(module: nn.Module) -> bool:
     (transformers' ``attention_dropout``, the example model's ``dropout``). A forward that draws random numbers
     without either (``F.dropout(x, 0.1)`` with a literal) is not seen: its peers then draw alike in that region."""
     for sub in module.modules():
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+        if isinstance(sub, dropout_base_class()) and sub.p > 0:
             return True
         if any("dropout" in key and isinstance(value, float) and value > 0 for key, value in vars(sub).items()):
             return True

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.core.tree import item_at, map_tree, tree_leaves
+from fabric_hsdp.versions import compute_local_shape_and_global_offset
 
 if TYPE_CHECKING:
     from fabric_hsdp.checkpoint.core.stored_rows import FusedRows
@@ -49,7 +50,6 @@ class Piece:
 def global_box(tensor: torch.Tensor) -> Box:
     """The box this rank's local shard of ``tensor`` is of the global tensor (all of it if plain)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(tensor, DTensor):
         return Box((0,) * tensor.ndim, tuple(tensor.shape))

@@ -13,13 +13,12 @@ import pickle
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from fabric_hsdp.checkpoint.core.boxes import lookup, stored_boxes_in
 from fabric_hsdp.errors import unsafe_pickle_error
+from fabric_hsdp.versions import flatten_state_dict, set_element
 
 
 class SavePlanner(DefaultSavePlanner):

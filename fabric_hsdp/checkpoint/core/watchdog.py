@@ -152,10 +152,12 @@ class IOWatchdog:
 def _default_store() -> Any:
     import torch.distributed as dist
 
+    from fabric_hsdp.versions import default_process_group_store
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_process_group_store()
     except (RuntimeError, ValueError, AttributeError):
         return None  # e.g. a fake process group without a store: nothing to watch with
 

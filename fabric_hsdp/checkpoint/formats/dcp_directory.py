@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlanner
@@ -30,6 +29,7 @@ from fabric_hsdp.checkpoint.formats.dcp_metadata import check_complete, read_met
 from fabric_hsdp.checkpoint.formats.dcp_reader import OneCopyReader, read_dcp_box
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
+from fabric_hsdp.versions import unflatten_state_dict
 
 
 def _load(state_dict: dict[str, Any], reader: FileSystemReader, planner: LoadPlanner) -> None:

@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from fabric_hsdp.checkpoint.core import commit
 from fabric_hsdp.errors import CheckpointError, refused_pickle, unsafe_pickle_error
+from fabric_hsdp.versions import dcp_storage_info, serialization_get_layout
 
 META_FILE = "meta.pt"
 
 _METADATA_GLOBALS = {
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.serialization", "_get_layout"): serialization_get_layout(),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_storage_info(),
     ("collections", "OrderedDict"): collections.OrderedDict,
 }
 for _name in (

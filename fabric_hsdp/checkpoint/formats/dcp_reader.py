@@ -20,18 +20,17 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from fabric_hsdp.checkpoint.core import fileio, watchdog
 from fabric_hsdp.checkpoint.core.box import Box
 from fabric_hsdp.checkpoint.formats.torch_chunk import ChunkLayout, chunk_layout
 from fabric_hsdp.errors import CheckpointError
-from fabric_hsdp.versions import load_on_meta, stored_bytes
+from fabric_hsdp.versions import checkpoint_offset, create_file_view, load_on_meta, stored_bytes
 
 # How far ahead of the chunk being read the next chunks are asked for (see _ReadAhead).
 _READ_AHEAD = 256 << 20
@@ -52,7 +51,7 @@ class OneCopyReader(FileSystemReader):
         others = []
         by_file: dict[str, list] = {}
         for item in plan.items:
-            info: _StorageInfo = self.storage_data[item.storage_index]
+            info = self.storage_data[item.storage_index]
             if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
                 others.append(item)
             else:
@@ -75,7 +74,7 @@ class OneCopyReader(FileSystemReader):
     def _whole_chunk(self, item: ReadItem) -> tuple[int, int] | None:
         """``(offset, length)`` of the item's chunk in its file if the item reads most of it (else ``None``: asking
         for the whole chunk would read bytes this rank does not need)."""
-        info: _StorageInfo = self.storage_data[item.storage_index]
+        info = self.storage_data[item.storage_index]
         entry = self._metadata.state_dict_metadata.get(item.storage_index.fqn)
         dtype = getattr(getattr(entry, "properties", None), "dtype", None)
         if dtype is None:
@@ -105,9 +104,10 @@ class OneCopyReader(FileSystemReader):
         planner.commit_tensor(item, target)
 
 
-def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _StorageInfo) -> ChunkLayout:
+def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: Any) -> ChunkLayout:
     """Where the chunk's bytes start and how its tensor views them: parsed directly in the plain form DCP writes
-    (:mod:`~fabric_hsdp.checkpoint.formats.torch_chunk`), else by a meta-load of the chunk's archive."""
+    (:mod:`~fabric_hsdp.checkpoint.formats.torch_chunk`), else by a meta-load of the chunk's archive. ``info`` is
+    DCP's record of where the item lies (:func:`~fabric_hsdp.versions.dcp_storage_info`)."""
     size = os.fstat(stream.fileno()).st_size
     try:
         if info.offset + info.length > size:
@@ -115,7 +115,7 @@ def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _
         layout = chunk_layout(stream.fileno(), info.offset, info.length)
         if layout is not None:
             return layout
-        view = _create_file_view(stream, info.offset, info.length)
+        view = create_file_view(stream, info.offset, info.length)
         stored = load_on_meta(view, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise CheckpointError(
@@ -124,7 +124,7 @@ def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: _
         ) from None
     storage = stored.untyped_storage()
     return ChunkLayout(
-        start=info.offset + storage._checkpoint_offset,
+        start=info.offset + checkpoint_offset(storage),
         storage_bytes=stored_bytes(stored),
         dtype=stored.dtype,
         shape=tuple(stored.shape),

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from fabric_hsdp.versions import dtype_to_storage_type_map
+
 _PROBE = 4096  # bytes read at each end of a chunk: its directory and its first records fit in them
 _END = struct.Struct("<4sHHHHIIH")  # end of central directory
 _CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
@@ -137,7 +139,7 @@ class _NotPlain(Exception):
 def _storage_dtypes() -> dict[str, torch.dtype]:
     """``"FloatStorage"`` -> ``torch.float32``, ...: the storage names ``torch.save`` pickles (not their classes,
     whose ``dtype`` warns that typed storages are deprecated)."""
-    return {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+    return {name: dtype for dtype, name in dtype_to_storage_type_map().items()}
 
 
 def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any, *_: Any) -> tuple:

@@ -26,7 +26,7 @@ from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.formats.wrapped import find_model_tensors
 from fabric_hsdp.errors import CheckpointError, first_line, refused_pickle
 from fabric_hsdp.logs import warning_on_rank_zero
-from fabric_hsdp.versions import load_on_meta, stored_bytes, zip_record_sizes
+from fabric_hsdp.versions import checkpoint_offset, load_on_meta, stored_bytes, torch_file_reader, zip_record_sizes
 
 _logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class TorchFileSource(CheckpointSource):
 
     def _load_zip(self, weights_only: bool) -> Any:
         try:
-            reader = torch._C.PyTorchFileReader(self._file)
+            reader = torch_file_reader(self._file)
         except RuntimeError as error:
             raise CheckpointError(
                 f"'{self._file}' is a truncated or damaged torch file ({first_line(error)}). Re-copy or re-save it."
@@ -117,7 +117,7 @@ class TorchFileSource(CheckpointSource):
             raise CheckpointError(f"'{self._file}' is not a readable torch pickle ({first_line(error)})") from None
 
     def _locate(self, name: str, tensor: torch.Tensor) -> _Stored:
-        start = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+        start = checkpoint_offset(tensor.untyped_storage())
         if start is None or self._records.get(start) != stored_bytes(tensor):
             raise CheckpointError(
                 f"'{self._file}': cannot locate the data of tensor {name!r} in the archive (unusual record layout);"

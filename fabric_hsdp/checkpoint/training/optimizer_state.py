@@ -20,13 +20,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from fabric_hsdp.versions import get_fqns
+
 
 def allocate_from_metadata(model: nn.Module, optimizer: Optimizer, key: str, metadata: Any) -> bool:
     """Give each parameter of ``optimizer`` the empty state tensors its entries under ``key`` in the DCP
     ``metadata`` need; return whether it did (``False``: the optimizer has state already, or the checkpoint holds an
     entry this cannot allocate; nothing was changed)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import _get_fqns
 
     if optimizer.state:
         return False
@@ -46,7 +47,7 @@ def allocate_from_metadata(model: nn.Module, optimizer: Optimizer, key: str, met
     for group in optimizer.param_groups:
         for param in group["params"]:
             name = names.get(id(param))
-            fqns = _get_fqns(model, name) if name is not None else set()
+            fqns = get_fqns(model, name) if name is not None else set()
             if len(fqns) != 1:
                 return False
             entries = saved.get(next(iter(fqns)))

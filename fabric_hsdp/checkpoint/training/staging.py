@@ -33,6 +33,7 @@ import torch.distributed as dist
 from fabric_hsdp.checkpoint.core.boxes import Piece, StoredBoxes, pieces_of
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
 from fabric_hsdp.checkpoint.core.tree import map_tree, tree_leaves
+from fabric_hsdp.versions import dedup_save_plans, flatten_state_dict, unflatten_state_dict
 
 
 @dataclass
@@ -65,8 +66,6 @@ class Stager:
         Returns:
             The flattened key of each entry this rank writes -> the offsets of its chunks (``None`` for non-tensors).
         """
-        from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-
         planner = SavePlanner()
         planner.set_up_planner(state, is_coordinator=dist.get_rank(group) == 0)
         plans: list[Any] = [None] * dist.get_world_size(group)
@@ -79,8 +78,6 @@ class Stager:
 
     def copy(self, state: dict[str, Any], written: dict[str, set]) -> Staged:
         """Copy the chunks of ``state`` that :meth:`plan` says this rank writes (no collective)."""
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-
         flat, mappings = flatten_state_dict(state)
         copies = _Copies(self)
         staged = {}

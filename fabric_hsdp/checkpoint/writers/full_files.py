@@ -39,7 +39,7 @@ from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.tree import map_tree, nbytes, tree_leaves
 from fabric_hsdp.checkpoint.formats.safetensors_file import SAFETENSORS_DTYPES
 from fabric_hsdp.units import parse_bytes
-from fabric_hsdp.versions import zip_record_sizes
+from fabric_hsdp.versions import fake_tensor_mode, torch_file_reader, torch_file_writer, zip_record_sizes
 
 TensorLike = torch.Tensor | LazyTensor
 TensorsArg = Mapping[str, TensorLike] | Iterable[tuple[str, TensorLike]]
@@ -112,13 +112,11 @@ def write_torch_file(
         overwrite: replace ``dest`` if it exists.
         on_tensor: called with the byte count of each tensor once it is written (progress).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     entries = check_entries(tensors)
     model = dict(entries)
     obj: Any = {model_key: model, **extras} if extras else model
     leaves = tree_leaves(obj)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_tensor_mode(allow_non_fake_inputs=True):
         fakes = {path: torch.empty(leaf.shape, dtype=leaf.dtype) for path, leaf in leaves}
     skeleton = map_tree(obj, lambda _, path: fakes[path])
     dest = Path(dest)
@@ -128,7 +126,7 @@ def write_torch_file(
         skeleton_file = tmp.with_name(tmp.name + ".structure")
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(skeleton, skeleton_file)
-        reader = torch._C.PyTorchFileReader(str(skeleton_file))
+        reader = torch_file_reader(str(skeleton_file))
         records = [name for name in reader.get_all_records() if name.startswith("data/")]
         sizes = zip_record_sizes(skeleton_file)
         if len(records) != len(leaves) or any(sizes[f"data/{i}"] != leaf.nbytes for i, (_, leaf) in enumerate(leaves)):
@@ -139,7 +137,7 @@ def write_torch_file(
         skeleton_file.unlink()
         scratch = scratch_for(leaf for _, leaf in leaves)
         stream = DirectFileWriter(tmp)
-        writer = torch._C.PyTorchFileWriter(stream)
+        writer = torch_file_writer(stream)
         try:
             for name, data in header:
                 writer.write_record(name, data, len(data))
