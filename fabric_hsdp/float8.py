@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.logs import info_on_rank_zero, warning_on_rank_zero
 
 _logger = logging.getLogger(__name__)
 
@@ -74,12 +74,34 @@ def converts(name: str, module: nn.Module, vocab_sizes: set[int]) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_float8(model: nn.Module, spec: Float8Spec) -> list[str]:
-    """Swap ``model``'s eligible ``nn.Linear`` layers for torchao's ``Float8Linear`` in place; return their names."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def apply_float8(model: nn.Module, spec: Float8Spec, *, compiled: bool = True) -> list[str]:
+    """Swap ``model``'s eligible ``nn.Linear`` layers for torchao's ``Float8Linear`` in place; return their names.
+
+    Warns where float8 is likely slower than bf16: without ``compile`` (eager float8 casts are separate kernels),
+    and for layers below torchao's size thresholds for the recipe (measured by torchao on H100).
+    """
+    from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
 
     vocab_sizes = {module.num_embeddings for module in model.modules() if isinstance(module, nn.Embedding)}
     chosen = [name for name, module in model.named_modules() if converts(name, module, vocab_sizes)]
+    fast = _auto_filter_for_recipe(spec.recipe, filter_fqns=[])
+    small = [name for name in chosen if not fast(model.get_submodule(name), name)]
+    if not compiled:
+        warning_on_rank_zero(
+            _logger,
+            "float8=%r without compile=True: eager float8 is usually slower than bf16. Pass compile=True.",
+            spec.recipe,
+        )
+    if small:
+        warning_on_rank_zero(
+            _logger,
+            "float8 (%s): %d of %d converted linear layers are below torchao's size thresholds for this recipe (e.g."
+            " %s), where float8 is usually slower than bf16; it pays from hidden sizes of a few thousand.",
+            spec.recipe,
+            len(small),
+            len(chosen),
+            small[0],
+        )
     chosen_set = set(chosen)
     config = Float8LinearConfig.from_recipe_name(spec.recipe)
     if spec.emulate:

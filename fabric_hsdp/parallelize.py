@@ -165,7 +165,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, settings: FSDPSettings, l
 
     units = sharded_units(module, settings.sharded_modules)  # the transformer blocks, before anything wraps them
     if levers.float8 is not None:
-        apply_float8(module, levers.float8)
+        apply_float8(module, levers.float8, compiled=levers.compile is not False)
     if mesh.tensor is not None:
         levers.tensor_parallel = apply_tensor_parallel(
             module,
@@ -251,7 +251,8 @@ def saved_ops() -> list[Any]:
     """The ops whose outputs selective activation checkpointing keeps (torchtitan's list, plus the CPU kernels)."""
     import torch
 
-    aten, names = torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm")
+    aten, names = torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "max")
+    # _scaled_mm: float8's matmuls; max: float8's amax (its scales), else every float8 matmul is recomputed
     ops = [getattr(aten, name).default for name in names]
     for name in (
         "_scaled_dot_product_flash_attention",

@@ -80,3 +80,48 @@ def test_a_forward_without_gradients_leaves_the_model_sharded(reshard_after_forw
     for facts in result.check().values:
         assert facts["plain_after_eval"] == [] and facts["plain_after_steps"] == [], facts
         assert facts["losses"][1] < facts["losses"][0]
+
+
+def units_and_gathered_bytes(num_nodes: int, devices: int, kind: str) -> dict:
+    """The FSDP units of the model, and the parameter bytes left gathered after a forward (before its backward)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from tests.scenarios.common import batch, build, layer_class, logits_of, make_fabric
+
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)})
+    model = fabric.setup_module(build(kind))
+    units = [name for name, sub in model.module.named_modules() if isinstance(sub, FSDPModule)]
+    inputs, _ = batch(2)
+    logits = logits_of(model, inputs)
+    named = model.module.named_parameters()
+    gathered = {name: p.numel() * p.element_size() for name, p in named if not isinstance(p, DTensor)}
+    logits.float().sum().backward()
+    return {"units": units, "gathered": gathered}
+
+
+UNITS = {  # (FSDP2 marks both modules of the norm + head unit)
+    "llama": (["", "tok_embeddings", "layers.0", "layers.1", "norm", "output"], ["norm.weight", "output.weight"]),
+    "litgpt": (
+        ["", "lm_head", "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+        ["lm_head.weight", "transformer.ln_f.weight"],
+    ),
+    "hf": (
+        ["", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"],
+        ["lm_head.weight", "model.norm.weight"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(UNITS))
+def test_embedding_and_head_are_units_of_their_own_so_the_embedding_is_freed_after_its_forward(kind):
+    """#35 item 7: in the root unit the embedding, final norm and head stayed gathered through the whole step."""
+    from tests.helpers.launch import launch
+
+    units, gathered = UNITS[kind]
+    values = launch("tests.test_fsdp:units_and_gathered_bytes", {"kind": kind}, num_nodes=1, ranks_per_node=2)
+    for facts in values.check().values:
+        assert facts["units"] == units
+        # after the forward only the last unit (final norm + head, which the backward starts with) is gathered
+        assert sorted(facts["gathered"]) == gathered, facts["gathered"]

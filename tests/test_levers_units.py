@@ -99,16 +99,30 @@ def test_compile_is_per_block_in_place_and_bounded():
     assert dict(counters["frames"]) == {"total": 2, "ok": 2} or counters["frames"]["ok"] >= 1, dict(counters["frames"])
 
 
-def test_float8_conversion_swaps_the_eligible_linears():
-    """torchao's emulation runs the converted model on CPU: the eligible layers are Float8Linear, the head is not."""
+def test_float8_conversion_swaps_the_eligible_linears(caplog):
+    """torchao's emulation runs the converted model on CPU: the eligible layers are Float8Linear, the head is not.
+    Without compile, and for layers this small, the user is told float8 will likely be slower than bf16."""
     from torchao.float8.float8_linear import Float8Linear
 
     from fabric_hsdp.float8 import Float8Spec, apply_float8
 
     model = build("litgpt")
-    names = apply_float8(model, Float8Spec("rowwise", emulate=True))
+    with caplog.at_level("WARNING", logger="fabric_hsdp"):
+        names = apply_float8(model, Float8Spec("rowwise", emulate=True), compiled=False)
+    assert "without compile=True" in caplog.text
+    assert "10 of 10 converted linear layers are below torchao's size thresholds" in caplog.text
     converted = sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
     assert converted == sorted(names) and len(names) == 10  # 5 linears per block, 2 blocks; lm_head left alone
     assert not isinstance(model.lm_head, Float8Linear)
     inputs, _ = batch(2)
     assert torch.isfinite(logits_of(model, inputs)).all()
+
+
+def test_selective_checkpointing_saves_float8_matmuls_and_their_scales():
+    """float8 + selective AC: its matmuls (``_scaled_mm``) and amax (``max``) are saved, as torchtitan's list does;
+    without them every float8 matmul was recomputed."""
+    from fabric_hsdp.parallelize import saved_ops
+
+    ops = saved_ops()
+    assert torch.ops.aten._scaled_mm.default in ops and torch.ops.aten.max.default in ops
+    assert torch.ops.aten.mm.default in ops

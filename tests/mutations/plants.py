@@ -406,4 +406,12 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_strategy.py::test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32",),
     ),
+    "35f": Plant(
+        "the embedding and the norm + head are FSDP units of their own (#35 item 7)",
+        "everything outside the blocks stays in the root unit, gathered through the whole step",
+        (("    embeddings, tail = outer_units(module, units)\n", "    embeddings, tail = [], []\n"),),
+        (
+            "tests/test_fsdp.py::test_embedding_and_head_are_units_of_their_own_so_the_embedding_is_freed_after_its_forward",
+        ),
+    ),
 }

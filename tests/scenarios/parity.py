@@ -125,6 +125,13 @@ def _train_sharded(
     layers = [sub for sub in model.modules() if isinstance(sub, layer_class(kind))]
     forwards = [0]
     hooks = [layer.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) for layer in layers]
+    # in training: FSDP2 leaves a layer's parameters gathered after its forward with reshard_after_forward=False
+    after_forward: list[bool] = []
+
+    def record(module: torch.nn.Module, *_: Any) -> None:
+        after_forward.append(all(isinstance(p, DTensor) for p in module.parameters()))
+
+    hooks.append(layers[0].register_forward_hook(record))
     dataset = TensorDataset(inputs, targets)
     if bug == "wrong_sampler":  # every replica reads the first replica's rows instead of its own
         shard_size = fabric.strategy.topology.shard_size
@@ -161,10 +168,9 @@ def _train_sharded(
     config = getattr(getattr(model, "module", model), "config", None)
     per_micro_batch = forwards[0] / (len(layers) * steps * accumulate)
     state = full_state(model)
-    # a forward that a backward could follow: FSDP2 leaves a layer's parameters gathered after it with
-    # reshard_after_forward=False (a forward without gradients reshards everything: nothing follows it)
-    logits_of(model, inputs[:1])
-    resharded = all(isinstance(p, DTensor) for p in layers[0].parameters())
+    with torch.no_grad():  # a forward without gradients, after which the strategy reshards every unit
+        logits_of(model, inputs[:1])
+    resharded = after_forward[-1]
     use_cache = getattr(config, "use_cache", None)
     return Trained(losses, norms, state, seen, per_micro_batch, use_cache, resharded)
 
