@@ -52,6 +52,7 @@ class Preemption:
         self.requeue_job = requeue
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._group: Any = None
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._handle)
 
@@ -66,16 +67,29 @@ class Preemption:
         this process's flag.
         """
         import torch
+        import torch.distributed as dist
 
-        flag = torch.tensor(0 if self.received is None else int(self.received), device=fabric.device)
+        # on the CPU, over gloo: a flag on the GPU would make every step wait for the GPU's queued work (.item())
+        flag = torch.tensor(0 if self.received is None else int(self.received))
         if fabric.world_size > 1:
-            flag = fabric.all_reduce(flag, reduce_op="max")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
         signum = int(flag.item())
         if signum and fabric.global_rank == 0:
             _logger.info(
                 "received %s on at least one rank: stopping at this step on every rank", signal.Signals(signum).name
             )
         return bool(signum)
+
+    def _cpu_group(self) -> Any:
+        """The default group where it serves CPU tensors (gloo), else a gloo group made once (on every rank: the first
+        ``stop_requested`` is at the same point on each)."""
+        import torch.distributed as dist
+
+        if "gloo" in str(dist.get_backend()):
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def requeue(self, fabric: Any) -> bool:
         """On global rank 0 of a SLURM batch job, with ``requeue=True``: ``scontrol requeue $SLURM_JOB_ID``.

@@ -24,10 +24,12 @@ def held_gradient_bytes(num_nodes: int, devices: int) -> dict:
         loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         fabric.backward(loss)
     unsharded = sharded = 0
+    groups = {}  # torch's internals: what FSDP2 keeps between backwards, once per unit (a unit may span modules)
     for unit in model.module.modules():
-        if not isinstance(unit, FSDPModule):
-            continue
-        group = unit._get_fsdp_state()._fsdp_param_group  # torch's internals: what FSDP2 keeps between backwards
+        if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_group is not None:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            groups[id(group)] = group
+    for group in groups.values():
         for param in group.fsdp_params:
             for grad in (param.unsharded_accumulated_grad, param._unsharded_param.grad):
                 unsharded += grad.numel() * grad.element_size() if grad is not None else 0

@@ -90,11 +90,21 @@ def test_a_signal_requests_a_stop_that_every_rank_agrees_on_at_the_step_boundary
         assert not preemption.stop_requested(fabric)
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler only records it: the process goes on
         assert preemption.received == signal.SIGUSR1 and preemption.stop_requested(fabric)
-        # another rank received it: the all-reduce (max) brings it to this one
+        # another rank received it: the all-reduce (max) of a CPU flag over gloo brings it to this one (a flag on the
+        # GPU would wait for the GPU's queued work every step)
+        import torch.distributed as dist
+
+        reduced_on = []
+
+        def all_reduce(tensor, op, group):
+            reduced_on.append((tensor.device.type, op, group))
+            tensor.copy_(torch.maximum(tensor, torch.tensor(int(signal.SIGTERM))))
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
         other = Preemption()
-        reduced = Printer(world_size=2)
-        reduced.all_reduce = lambda tensor, reduce_op: torch.maximum(tensor, torch.tensor(int(signal.SIGTERM)))
-        assert other.received is None and other.stop_requested(reduced)
+        assert other.received is None and other.stop_requested(Printer(world_size=2))
+        assert reduced_on == [("cpu", dist.ReduceOp.MAX, None)]
         other.close()
     finally:
         preemption.close()
