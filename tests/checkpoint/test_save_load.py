@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,3 +305,33 @@ def test_save_path_must_be_given_state_with_a_model(tmp_path):
 
     with pytest.raises(ValueError, match="exactly one model set up with fabric.setup_module; found no model"):
         CheckpointState({"model": torch.nn.Linear(2, 2), "step": 1})
+
+
+def load_into_another_model(num_nodes: int, devices: int, out: str) -> dict:
+    """Resume a LLaMA checkpoint into litgpt's GPT (another model): the error, as the user sees it."""
+    from tests.scenarios.checkpoints import setup_training
+    from tests.scenarios.common import layer_class, make_fabric
+
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("litgpt")})
+    model, optimizer, _ = setup_training(fabric, kind="litgpt")
+    try:
+        fabric.load(Path(out) / "ckpt", {"model": model, "optimizer": optimizer})
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
+def test_resuming_another_models_checkpoint_names_both_sides(sharded_checkpoint):
+    """#34: DCP said only "Missing key in checkpoint state_dict: model.transformer.wte.weight"."""
+    result = launch(
+        "tests.checkpoint.test_save_load:load_into_another_model",
+        {"out": str(sharded_checkpoint)},
+        num_nodes=1,
+        ranks_per_node=2,
+    )
+    for facts in result.check().values:
+        error = facts["error"]
+        assert error.startswith(f"CheckpointError: checkpoint '{sharded_checkpoint / 'ckpt'}' has no tensor for"), error
+        assert "'transformer.wte.weight' (model expects [256, 64] float32)" in error
+        assert "has 21 tensors the model does not: 'tok_embeddings.weight' ([256, 64] float32)" in error
+        assert "Is it a checkpoint of this model (entry 'model')?" in error

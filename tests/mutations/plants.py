@@ -414,4 +414,15 @@ PLANTS: dict[str, Plant] = {
             "tests/test_fsdp.py::test_embedding_and_head_are_units_of_their_own_so_the_embedding_is_freed_after_its_forward",
         ),
     ),
+    "34a": Plant(
+        "resuming another model's checkpoint names both sides (#34)",
+        "no key check before DCP's load: torch's bare 'Missing key in checkpoint state_dict'",
+        (
+            (
+                "            _check_model_keys(path, metadata, model_key, tensors[model_key])\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/checkpoint/test_save_load.py::test_resuming_another_models_checkpoint_names_both_sides",),
+    ),
 }

@@ -23,6 +23,7 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core import boxes, commit
 from fabric_hsdp.checkpoint.core.dcp_errors import first_failure, save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner, SavePlanner
+from fabric_hsdp.checkpoint.core.keys import KeyMatch, format_key_errors
 from fabric_hsdp.checkpoint.core.progress import log_throughput
 from fabric_hsdp.checkpoint.formats.dcp_metadata import (
     META_FILE,
@@ -131,6 +132,9 @@ def load_sharded(
     for key, optimizer in optimizers.items():
         optimizer_state.allocate_from_metadata(model, optimizer, key, metadata)  # else DCP runs a zero step first
     tensors = checkpoint.tensors()
+    if strict:
+        with fail_together(f"matching the model to checkpoint '{path}'"):
+            _check_model_keys(path, metadata, model_key, tensors[model_key])
     if split_mesh is not None:
         targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, checkpoint.fused_rows)
     else:
@@ -151,6 +155,33 @@ def load_sharded(
     if dist.get_rank() == 0:
         log_throughput("loaded", path, time.monotonic() - started)
     return meta
+
+
+def _check_model_keys(path: Path, metadata: Any, model_key: str, model_state: dict[str, Any]) -> None:
+    """Name both sides when the checkpoint holds another model: DCP would say only "Missing key in checkpoint
+    state_dict: model.model.embed_tokens.weight", with no path and no fix."""
+    prefix = f"{model_key}."
+    stored = {
+        key[len(prefix) :]: (tuple(entry.size), entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(entry, "size")
+    }
+    model = {key: value for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    match = KeyMatch(
+        mapping={key: key for key in model if key in stored},
+        missing=[key for key in model if key not in stored],
+        unexpected=[key for key in stored if key not in model],
+    )
+    message = format_key_errors(
+        match,
+        model,
+        stored,
+        source_name=str(path),
+        hint=f"Is it a checkpoint of this model (entry {model_key!r})? Resume from one, or pass strict=False to load"
+        " the tensors both have.",
+    )
+    if message is not None:
+        raise CheckpointError(message)
 
 
 def find_sharded(path: Path, model_key: str, *, weights_only: bool) -> tuple[bool, Any]:
