@@ -19,6 +19,7 @@ Adding a check: write ``def check_name(ctx: Context) -> str`` that builds its ru
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -68,6 +69,7 @@ class Check:
     min_devices: int = 1
     cuda_only: bool = False  # no CPU rehearsal (e.g. CPU offload, which refuses a CPU device)
     devices: int | None = None  # ranks to run on (default: all devices)
+    requires: tuple[str, ...] = ()  # packages it needs: SKIP, saying what to install, where one is missing
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -377,7 +379,7 @@ def check_transformers_init(ctx: Context) -> str:
 
 def check_float8(ctx: Context) -> str:
     """float8=True (torchao rowwise) under bf16-mixed: the eligible linears converted, the loss finite and falling;
-    on a GPU below SM 8.9 (or without torchao) the strategy must refuse at construction, which is the pass."""
+    on a GPU below SM 8.9 the strategy must refuse at construction, which is the pass (without torchao: SKIP)."""
     import torch
 
     from examples.tiny_llama import Block, Llama, LlamaConfig
@@ -419,8 +421,8 @@ CHECKS = [
     Check("fp16_offload_overflow", check_fp16_offload_overflow, cuda_only=True),
     Check("tensor_parallel", check_tensor_parallel, min_devices=2, devices=2),
     Check("shard_size_auto", check_shard_size_auto, cuda_only=True),
-    Check("transformers_init", check_transformers_init),
-    Check("float8", check_float8, cuda_only=True),
+    Check("transformers_init", check_transformers_init, requires=("transformers",)),
+    Check("float8", check_float8, requires=("torchao",), cuda_only=True),
 ]
 
 
@@ -482,6 +484,10 @@ def main() -> int:
             continue
         if available < check.min_devices:
             print(f"SKIP  {label} needs >= {check.min_devices} CUDA devices ({available} here)")
+            continue
+        missing = [package for package in check.requires if importlib.util.find_spec(package) is None]
+        if missing:
+            print(f"SKIP  {label} needs {', '.join(missing)}: pip install {' '.join(missing)}")
             continue
         left = deadline - time.monotonic()
         if left < 20:

@@ -30,3 +30,15 @@ def test_the_gpu_check_has_a_line_for_every_cuda_only_path():
     required = {"nccl_init", "bf16_mixed", "meta_init_raw_load", "async_save", "cpu_offload", "tensor_parallel"}
     assert required | {"shard_size_auto"} <= set(names)
     assert {check.name for check in gpu_check.CHECKS if check.min_devices >= 2} == {"tensor_parallel"}
+
+
+def test_checks_that_need_a_package_name_it():
+    """Without transformers, transformers_init SKIPs (it failed with ImportError); without torchao, float8 SKIPs (it
+    passed as 'refused', which is no evidence)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    requires = {check.name: check.requires for check in gpu_check.CHECKS}
+    assert requires["transformers_init"] == ("transformers",) and requires["float8"] == ("torchao",)
