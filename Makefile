@@ -57,8 +57,12 @@ test-core: setup
 test-torch:
 	$(MAKE) test-core VENV=.venv-torch-$(TORCH) TORCH=$(TORCH) PINS="$(PINS)"
 
-# The tested range beyond the pinned torch: the floor (torch 2.8), 2.11 and 2.14.1.
+# The tested range beyond the pinned torch: the floor (torch 2.8), 2.11 and 2.14.1. DROP_VENVS=1 (CI) removes each
+# venv after its run: 5-7 GB each, their wheels stay in pip's cache.
 test-range:
 	$(MAKE) test-torch TORCH=2.8.0 PINS="$(FLOOR_PINS)"
+	$(if $(DROP_VENVS),rm -rf .venv-torch-2.8.0)
 	$(MAKE) test-torch TORCH=2.11.0
+	$(if $(DROP_VENVS),rm -rf .venv-torch-2.11.0)
 	$(MAKE) test-torch TORCH=2.14.1
+	$(if $(DROP_VENVS),rm -rf .venv-torch-2.14.1)
