@@ -111,8 +111,7 @@ class _Copies:
         self._stager = stager
         self.used: dict[tuple, torch.Tensor] = {}
         self.nbytes = 0
-        self._cuda = False
-        self._device: torch.device | None = None
+        self._device: torch.device | None = None  # the CUDA device copied from, once a copy was issued there
 
     def stage(self, fqn: str, value: Any, offsets: set) -> Any:
         from torch.distributed.tensor import DTensor
@@ -163,9 +162,7 @@ class _Copies:
             target.copy_(source)
             return
         stream = self._stager._copy_stream()
-        if not self._cuda:
-            self._device = source.device
-            self._cuda = True
+        self._device = source.device
         stream.wait_stream(torch.cuda.current_stream(source.device))  # after what training last wrote
         with torch.cuda.stream(stream):
             target.copy_(source, non_blocking=True)
@@ -173,7 +170,7 @@ class _Copies:
 
     def finish(self) -> Callable[[], None]:
         """End the copies; returns what the writer calls before reading the buffers (in DCP's writing thread)."""
-        if not self._cuda:
+        if self._device is None:
             return lambda: None
         event = torch.cuda.Event()
         event.record(self._stager._copy_stream())
