@@ -95,7 +95,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             (least memory), ``False`` keeps them for backward (less communication), an int reshards to that smaller
             group size. ``None`` lets FSDP2 decide (reshard, except for the root).
         activation_checkpointing: Module classes (or a ``(name, module) -> bool`` callable) whose activations are
-            recomputed in backward. Uses the composable API, so parameter names stay unchanged.
+            recomputed in backward, by a checkpoint inside their forward, so parameter names stay unchanged.
         activation_checkpointing_mode: How the modules ``activation_checkpointing`` selects recompute: ``"full"``
             (default: each keeps only its input), ``"selective"`` (torchtitan's op-level policy: the outputs of
             matmuls, attention and collectives are kept, the rest recomputed), or an int ``k`` (full recompute of

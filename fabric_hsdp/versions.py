@@ -249,13 +249,6 @@ def c10d_functional_ops() -> Any:
 # torch.distributed._composable
 
 
-def composable_checkpoint(module: torch.nn.Module, **kwargs: Any) -> Any:
-    """``torch.distributed._composable.checkpoint``: activation checkpointing by hooks on ``module``."""
-    from torch.distributed._composable import checkpoint
-
-    return checkpoint(module, **kwargs)
-
-
 def composable_state_keys() -> tuple[str, str]:
     """``STATE_KEY`` and ``REGISTRY_KEY``: where composable APIs (``fully_shard``) keep state in a module's
     ``__dict__``."""

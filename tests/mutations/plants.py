@@ -414,6 +414,18 @@ PLANTS: dict[str, Plant] = {
             "tests/test_fsdp.py::test_embedding_and_head_are_units_of_their_own_so_the_embedding_is_freed_after_its_forward",
         ),
     ),
+    "35g": Plant(
+        "compile + selective AC applies the policy inside the compiled graph (#35 item 5)",
+        "activation checkpointing by hooks around the block (the composable API): backward reruns the compiled forward",
+        (
+            (
+                '        child.__class__ = checkpointed_class(type(child), selective=mode == "selective")\n',
+                "        from torch.distributed._composable import checkpoint as hooks\n"
+                '        hooks(child, **({"context_fn": selective_checkpoint_contexts} if mode == "selective" else {}))\n',
+            ),
+        ),
+        ("tests/test_levers_units.py::test_compiled_blocks_recompute_what_their_mode_says",),
+    ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",
         "no key check before DCP's load: torch's bare 'Missing key in checkpoint state_dict'",
