@@ -1,15 +1,17 @@
 """The GPU check: every path only CUDA reaches, run on the CUDA devices this machine has, one line per path.
 
-Run: ``python benchmarks/gpu_check.py`` (all CUDA devices; about 10-30 s per check). Each check runs in its own
-``torchrun --standalone --nproc-per-node N`` job (N = the devices it needs, all of them by default), so one failure
-cannot spoil the next, and prints::
+Run: ``python benchmarks/gpu_check.py`` (all CUDA devices; about 10-30 s per check). The checks that run as a world
+of 1 (all of them on a one-GPU machine) share one ``torchrun --standalone --nproc-per-node 1`` job, each ending its
+process group before the next (start-up paid once); a check of N devices gets its own job. A failing check's line says
+why and the next one runs. Each line is printed as its result arrives::
 
     PASS  nccl_init            world 2: backend nccl on cuda:0 and cuda:1, all_reduce of 4 MB in 0.21 ms
     FAIL  cpu_offload          world 2: RuntimeError: No backend type associated with device type cpu
     SKIP  tensor_parallel      needs >= 2 CUDA devices (1 here)
 
 The exit status is 1 if a check failed. Without CUDA it says so and exits 0 (``--device cpu`` rehearses the checks
-that also run on CPU, with gloo: a test of this script, not of CUDA).
+that also run on CPU, with gloo: a test of this script, not of CUDA; ``GPU_CHECK_CPU_RANKS=1`` rehearses the
+one-GPU machine's single job).
 
 Adding a check: write ``def check_name(ctx: Context) -> str`` that builds its run with ``ctx.fabric(...)``, raises
 (``assert`` is fine here) when the path is wrong, and returns the figure for its line; then append
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ class Context:
     device: str  # "cuda" (or "cpu" for the rehearsal)
     devices: int  # ranks in this check's job, one per device
     workdir: Path  # shared by the ranks of this check
+    fabrics: list[Any] = field(default_factory=list)  # made by this check, torn down after it
 
     def fabric(self, precision: str = "32-true", **strategy_kwargs: Any) -> Any:
         import lightning as L
@@ -59,7 +62,19 @@ class Context:
         strategy = HybridFSDPStrategy(**strategy_kwargs)
         fabric = L.Fabric(accelerator=self.device, devices=self.devices, strategy=strategy, precision=precision)
         fabric.launch()
+        self.fabrics.append(fabric)
         return fabric
+
+    def end(self) -> None:
+        """Tear down every fabric of the check (a background save finished, the process group destroyed), so the
+        next check in this process starts its own."""
+        import torch.distributed as dist
+
+        for fabric in self.fabrics:
+            fabric.strategy.teardown()
+        self.fabrics.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @dataclass
@@ -429,13 +444,29 @@ CHECKS = [
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-def _run_one(name: str, device: str, workdir: Path, result: Path) -> None:
-    """Inside a check's job: run the check on this rank; rank 0 writes the figure to ``result``."""
-    check = next(check for check in CHECKS if check.name == name)
-    ctx = Context(device=device, devices=int(os.environ.get("WORLD_SIZE", "1")), workdir=workdir)
-    figure = check.run(ctx)
-    if int(os.environ.get("RANK", "0")) == 0:
-        result.write_text(json.dumps({"figure": figure}))
+def _run_in_job(names: list[str], device: str, workdir: Path, results: Path) -> None:
+    """Inside a check job: run the named checks one after another on this rank; rank 0 appends a JSON line per
+    check to ``results`` as it finishes (a failure is recorded and the next check still runs)."""
+    import traceback
+
+    rank = int(os.environ.get("RANK", "0"))
+    for name in names:
+        check = next(check for check in CHECKS if check.name == name)
+        ctx = Context(device=device, devices=int(os.environ.get("WORLD_SIZE", "1")), workdir=workdir / name)
+        ctx.workdir.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        try:
+            line = {"name": name, "figure": check.run(ctx)}
+        except Exception as error:  # the check failed: its line says why, the next one runs
+            line = {"name": name, "error": f"{type(error).__name__}: {error}"[:300], "trace": traceback.format_exc()}
+            if ctx.devices > 1:  # the other ranks may wait in a collective: end the job (its own check only)
+                raise
+        finally:
+            ctx.end()
+        line["seconds"] = round(time.monotonic() - start, 1)
+        if rank == 0:
+            with results.open("a") as file:
+                file.write(json.dumps(line) + "\n")
 
 
 def _last_error(output: str) -> str:
@@ -446,17 +477,88 @@ def _last_error(output: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
+def _runnable(args: argparse.Namespace, available: int) -> list[tuple[Check, int]]:
+    """The checks to run with their world sizes; prints a SKIP line for each of the others."""
+    runnable = []
+    for check in CHECKS:
+        if args.only is not None and check.name not in args.only:
+            continue
+        label = f"{check.name:<22}"
+        missing = [package for package in check.requires if importlib.util.find_spec(package) is None]
+        if args.device == "cpu" and check.cuda_only:
+            print(f"SKIP  {label} needs CUDA")
+        elif available < check.min_devices:
+            print(f"SKIP  {label} needs >= {check.min_devices} CUDA devices ({available} here)")
+        elif missing:
+            print(f"SKIP  {label} needs {', '.join(missing)}: pip install {' '.join(missing)}")
+        else:
+            runnable.append((check, min(check.devices or available, available)))
+    return runnable
+
+
+def _jobs(runnable: list[tuple[Check, int]]) -> list[tuple[list[str], int]]:
+    """One job for all world-1 checks (start-up paid once: 10-20 s each on a GPU machine), one per larger check."""
+    single = [check.name for check, world in runnable if world == 1]
+    return ([(single, 1)] if single else []) + [([check.name], world) for check, world in runnable if world > 1]
+
+
+def _run_job(names: list[str], world: int, device: str, timeout: float) -> int:
+    """Run one check job, printing each check's line as its result arrives; returns the number failed."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
+        results = Path(workdir) / "results.jsonl"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
+            "--check", ",".join(names), "--device", device, "--workdir", workdir, "--result", str(results),
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        log = Path(workdir) / "job.log"
+        start = time.monotonic()
+        shown, failed = 0, 0
+        with log.open("w") as output:
+            job = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+            while True:
+                code = job.poll()
+                lines = results.read_text().splitlines() if results.exists() else []
+                for line in map(json.loads, lines[shown:]):
+                    label = f"{line['name']:<22}"
+                    if "figure" in line:
+                        print(f"PASS  {label} world {world}: {line['figure']} [{line['seconds']:.0f} s]", flush=True)
+                    else:
+                        failed += 1
+                        print(f"FAIL  {label} world {world}: {line['error']} [{line['seconds']:.0f} s]", flush=True)
+                        if os.environ.get("GPU_CHECK_VERBOSE"):
+                            print(line["trace"][-6000:], flush=True)
+                shown = len(lines)
+                if code is not None:
+                    break
+                if time.monotonic() - start > timeout:
+                    job.kill()
+                    job.wait()
+                    code = "timeout"
+                    break
+                time.sleep(0.5)
+        if shown < len(names):  # the job died (or ran out of time) before these checks reported
+            reason = f"timed out after {timeout:.0f} s" if code == "timeout" else _last_error(log.read_text())
+            for name in names[shown:]:
+                failed += 1
+                print(f"FAIL  {name:<22} world {world}: {reason}", flush=True)
+            if os.environ.get("GPU_CHECK_VERBOSE"):
+                print(log.read_text()[-6000:], flush=True)
+        return failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: rehearse on gloo")
     parser.add_argument("--only", nargs="*", default=None, help="names of the checks to run")
     parser.add_argument("--budget", type=float, default=None, help=f"seconds for all checks (CUDA: {TOTAL_BUDGET})")
-    parser.add_argument("--check", help=argparse.SUPPRESS)  # inside a check's job
+    parser.add_argument("--check", help=argparse.SUPPRESS)  # inside a check job: the checks, comma-separated
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.check:
-        _run_one(args.check, args.device, args.workdir, args.result)
+        _run_in_job(args.check.split(","), args.device, args.workdir, args.result)
         return 0
 
     import torch
@@ -467,59 +569,21 @@ def main() -> int:
             return 0
         available = torch.cuda.device_count()
         names = sorted({torch.cuda.get_device_name(i) for i in range(available)})
-        print(f"gpu_check: {available} CUDA device(s) ({', '.join(names)}), torch {torch.__version__}")
+        print(f"gpu_check: {available} CUDA device(s) ({', '.join(names)}), torch {torch.__version__}", flush=True)
     else:
-        available = 2
-        print("gpu_check: CPU rehearsal on 2 gloo ranks (not a CUDA check)")
+        available = 2 if os.environ.get("GPU_CHECK_CPU_RANKS", "2") == "2" else 1
+        print(f"gpu_check: CPU rehearsal on {available} gloo rank(s) (not a CUDA check)", flush=True)
     budget = args.budget or (TOTAL_BUDGET if args.device == "cuda" else 3600.0)  # a loaded CPU box starts slowly
-    check_timeout = CHECK_TIMEOUT if args.device == "cuda" else budget
     deadline = time.monotonic() + budget
     failed = 0
-    for check in CHECKS:
-        if args.only is not None and check.name not in args.only:
-            continue
-        label = f"{check.name:<22}"
-        if args.device == "cpu" and check.cuda_only:
-            print(f"SKIP  {label} needs CUDA")
-            continue
-        if available < check.min_devices:
-            print(f"SKIP  {label} needs >= {check.min_devices} CUDA devices ({available} here)")
-            continue
-        missing = [package for package in check.requires if importlib.util.find_spec(package) is None]
-        if missing:
-            print(f"SKIP  {label} needs {', '.join(missing)}: pip install {' '.join(missing)}")
-            continue
+    for names, world in _jobs(_runnable(args, available)):
         left = deadline - time.monotonic()
         if left < 20:
-            print(f"SKIP  {label} out of time (the script keeps under {budget:.0f} s)")
+            for name in names:
+                print(f"SKIP  {name:<22} out of time (the script keeps under {budget:.0f} s)")
             continue
-        world = min(check.devices or available, available)
-        with tempfile.TemporaryDirectory(prefix=f"gpu-check-{check.name}-") as workdir:
-            result = Path(workdir) / "result.json"
-            command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                __file__, "--check", check.name, "--device", args.device, "--workdir", workdir,
-                "--result", str(result),
-            ]  # fmt: skip
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-            env.setdefault("OMP_NUM_THREADS", "1")
-            start = time.monotonic()
-            try:
-                done = subprocess.run(
-                    command, capture_output=True, text=True, timeout=min(check_timeout, left), env=env, cwd=REPO_ROOT
-                )
-                output, code = done.stdout + done.stderr, done.returncode
-            except subprocess.TimeoutExpired as timeout:
-                output, code = f"timed out after {timeout.timeout:.0f} s", None
-            seconds = time.monotonic() - start
-            if code == 0 and result.exists():
-                figure = json.loads(result.read_text())["figure"]
-                print(f"PASS  {label} world {world}: {figure} [{seconds:.0f} s]", flush=True)
-            else:
-                failed += 1
-                print(f"FAIL  {label} world {world}: {_last_error(output)} [{seconds:.0f} s]", flush=True)
-                if os.environ.get("GPU_CHECK_VERBOSE"):
-                    print(output[-6000:])
+        per_job = CHECK_TIMEOUT * len(names) if args.device == "cuda" else budget
+        failed += _run_job(names, world, args.device, min(per_job, left))
     print(f"gpu_check: {failed} failed")
     return 1 if failed else 0
 
