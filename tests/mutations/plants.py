@@ -1,7 +1,8 @@
 """The planted bugs of issue #22, one per finding: what is changed, and the tests that must fail because of it.
 
-Each edit is ``(old, new)``: ``old`` must occur exactly once in ``fabric_hsdp/``, ``tests/`` or ``examples/`` (found by
-content, so a file that moves keeps its plant). ``run.py`` applies them in a scratch copy, never here.
+Each edit is ``(old, new)``: ``old`` must occur exactly once in ``fabric_hsdp/``, ``tests/``, ``examples/`` or
+``benchmarks/`` (found by content, so a file that moves keeps its plant). ``run.py`` applies them in a scratch copy,
+never here.
 """
 
 from __future__ import annotations
@@ -421,10 +422,17 @@ PLANTS: dict[str, Plant] = {
             (
                 '        child.__class__ = checkpointed_class(type(child), selective=mode == "selective")\n',
                 "        from torch.distributed._composable import checkpoint as hooks\n"
-                '        hooks(child, **({"context_fn": selective_checkpoint_contexts} if mode == "selective" else {}))\n',
+                "        policy = selective_checkpoint_contexts\n"
+                '        hooks(child, **({"context_fn": policy} if mode == "selective" else {}))\n',
             ),
         ),
         ("tests/test_levers_units.py::test_compiled_blocks_recompute_what_their_mode_says",),
+    ),
+    "35h": Plant(
+        "the GPU session's hand-written torchtitan-style loop compiles its blocks, as torchtitan does (#35)",
+        "the hand-written loop's blocks are not compiled: the headline ratio would compare compiled with eager",
+        (("        block.compile(**compile_options)\n", ""),),
+        ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
     ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",

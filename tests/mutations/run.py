@@ -2,11 +2,11 @@
 
 Usage: ``tests/mutations/run.sh N [N ...]`` (or ``all``; ``--check`` only checks that every plant still applies).
 For each plant (``plants.py``) the working tree (tracked and untracked, not ignored, files) is copied to a temporary
-directory, each edit replaces one snippet that must occur exactly once in the package, the tests or the examples
-(found by content, so renames do not break the plants), and pytest runs the plant's tests there. ``caught``: the
-tests failed (pytest exit 1); ``MISSED``: they passed; ``ERROR``: the edit did not apply or pytest could not run them
-(exit 2-5). Read the failure lines it prints: a plant counts only if the failure is the one the test is for. Exit
-status: 0 when every plant given was caught.
+directory, each edit replaces one snippet that must occur exactly once in the package, the tests, the examples or the
+benchmarks (found by content, so renames do not break the plants), and pytest runs the plant's tests there.
+``caught``: the tests failed (pytest exit 1); ``MISSED``: they passed; ``ERROR``: the edit did not apply or pytest
+could not run them (exit 2-5). Read the failure lines it prints: a plant counts only if the failure is the one the
+test is for. Exit status: 0 when every plant given was caught.
 
 Not part of the normal run: pytest collects nothing here (no ``test_*.py``).
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plants import PLANTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SEARCHED = ("fabric_hsdp", "tests", "examples")
+SEARCHED = ("fabric_hsdp", "tests", "examples", "benchmarks")
 
 
 def copy_tree(destination: Path) -> None:
