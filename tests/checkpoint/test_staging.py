@@ -80,3 +80,62 @@ def test_staging_copies_straight_from_the_live_shards():
     be read stale. Every copy's source must be the live state's own memory."""
     for facts in launch("tests.checkpoint.test_staging:staged_sources", num_nodes=1, ranks_per_node=4).check().values:
         assert facts["copies"] > 0 and facts["from_live_state"] == facts["copies"], facts
+
+
+def test_staged_chunks_share_one_block_of_their_exact_size_kept_across_saves():
+    """GPU review S6: one host block for every chunk a rank writes (on CUDA registered once, at its exact size),
+    reused by the next save with the same chunks; a pinned block per tensor from the caching allocator rounded each up
+    to a power of two and was never returned."""
+    from fabric_hsdp.checkpoint.training.staging import Stager
+
+    state = {
+        "model": {"w": torch.randn(3, 5), "ids": torch.arange(7), "flag": torch.tensor(True)},
+        "optimizer": {"state": {"w": {"exp_avg": torch.randn(3, 5, dtype=torch.bfloat16)}}, "lr": 0.1},
+    }
+    written = {fqn: {None} for fqn in ("model.w", "model.ids", "model.flag", "optimizer.state.w.exp_avg")}
+    stager = Stager()
+    staged = stager.copy(state, written).state
+    buffers = [staged["model"][n] for n in ("w", "ids", "flag")] + [staged["optimizer"]["state"]["w"]["exp_avg"]]
+    originals = [state["model"][n] for n in ("w", "ids", "flag")] + [state["optimizer"]["state"]["w"]["exp_avg"]]
+    assert all(torch.equal(b, o) and b.dtype == o.dtype for b, o in zip(buffers, originals, strict=True))
+    assert staged["optimizer"]["lr"] == 0.1
+    blocks = {buffer.untyped_storage().data_ptr() for buffer in buffers}
+    assert len(blocks) == 1, "every chunk in one block"
+    used = sum(buffer.nbytes for buffer in buffers)  # 60 + 56 + 1 + 30
+    assert used <= stager._block.nbytes < used + 64 * len(buffers)  # its exact size, each chunk 64-byte aligned
+    state["model"]["w"].add_(1.0)
+    again = stager.copy(state, written).state
+    assert again["model"]["w"].untyped_storage().data_ptr() in blocks  # the same block, refilled
+    assert torch.equal(again["model"]["w"], state["model"]["w"])
+    state["model"]["w2"] = torch.zeros(4)
+    grown = stager.copy(state, {**written, "model.w2": {None}}).state
+    assert torch.equal(grown["model"]["w2"], torch.zeros(4)) and torch.equal(grown["model"]["w"], state["model"]["w"])
+
+
+def test_the_next_optimizer_step_waits_for_the_copies_and_only_it():
+    """On CUDA the compute stream waits for a save's copies only before the next optimizer step (the first in-place
+    update of what they read), so the forward and backward in between overlap them; then the hook is gone."""
+    from fabric_hsdp.checkpoint.training.staging import Stager
+
+    class Event:  # a CUDA event's part the stager uses: wait() makes the current stream wait for it
+        waits = 0
+
+        def wait(self) -> None:
+            Event.waits += 1
+
+    stager = Stager()
+    stager.wait_before_next_step(Event())
+    stager.wait_before_next_step(Event())  # two saves before a step: both waited for
+    parameter = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    assert Event.waits == 0
+    parameter.grad = torch.ones(2)
+    optimizer.step()
+    assert Event.waits == 2
+    optimizer.step()
+    torch.optim.Adam([parameter]).step()
+    assert Event.waits == 2  # the hook removed itself
+    stager.wait_before_next_step(Event())
+    stager.close()  # teardown: the writer waited for the copies; no hook is left behind
+    optimizer.step()
+    assert Event.waits == 2

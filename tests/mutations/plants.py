@@ -434,6 +434,24 @@ PLANTS: dict[str, Plant] = {
         (("        block.compile(**compile_options)\n", ""),),
         ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
     ),
+    "35i": Plant(
+        "async staging: one host block of the chunks' exact size, kept across saves (#35 item 9, review S6)",
+        "a buffer allocated per chunk (on CUDA: a pinned block each, rounded up by the caching host allocator)",
+        (
+            (
+                "                key: block[offsets[key] : offsets[key] + shape.numel() * dtype.itemsize]"
+                ".view(dtype).view(shape)\n",
+                "                key: torch.empty(shape, dtype=dtype)\n",
+            ),
+        ),
+        ("tests/checkpoint/test_staging.py::test_staged_chunks_share_one_block_of_their_exact_size_kept_across_saves",),
+    ),
+    "35j": Plant(
+        "async staging: only the next optimizer step waits for the copies (#35 item 9, review S6)",
+        "no step waits: the next optimizer step may overwrite shards the side stream has not copied yet",
+        (("        if self._step_hook is None:\n", "        if False:\n"),),
+        ("tests/checkpoint/test_staging.py::test_the_next_optimizer_step_waits_for_the_copies_and_only_it",),
+    ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",
         "no key check before DCP's load: torch's bare 'Missing key in checkpoint state_dict'",

@@ -7,15 +7,17 @@ costs a page fault per 4 KiB. :class:`Stager` instead
 
 1. runs DCP's local planning and its deduplication (``dedup_save_plans``, on the plans all-gathered over the
    background group), so every rank knows which chunks it will write, before copying anything;
-2. copies only those chunks, into buffers kept from the previous save (pinned memory when the shards live on CUDA),
-   and presents them to DCP as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (the boxes of the stored tensors
+2. copies only those chunks into one host block of their exact size, kept from one save to the next (on CUDA:
+   pageable memory registered with ``cudaHostRegister``, as DCP's ``_create_cpu_state_dict`` does, rather than a
+   pinned block per tensor from the caching host allocator, which rounds each up to a power of two and keeps it), and
+   presents them to DCP as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (the boxes of the stored tensors
    they hold), leaving out everything this rank does not write. DCP's planning inside the write then finds each
    chunk on one rank only, so the checkpoint is the same as a blocking save's;
 3. on CUDA, issues the copies on a side stream, each after the compute stream's work so far, non-blocking, straight
-   from views of the live shards into their rows of the buffer (no temporary made on the compute stream), and makes
-   the compute stream wait for them (training's next in-place update cannot overwrite a shard before it is copied;
-   the host does not wait); the writing thread sets the rank's device and synchronises on the copies' event before
-   it reads the buffers.
+   from views of the live shards into their rows of the buffer (no temporary made on the compute stream); the compute
+   stream waits for them only before the next optimizer step, the first in-place update of what they read (as
+   torchtitan waits for staging before ``optimizers.step()``), so the next forward and backward overlap them; the
+   writing thread sets the rank's device and synchronises on the copies' event before it reads the buffers.
 
 Extra host memory during a background save is then about ``1/R`` of the rank's state (plus small non-tensor
 entries), and ``fabric.save`` returns once the copies are issued.
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fabric_hsdp.checkpoint.core.boxes import Piece, StoredBoxes, pieces_of
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
@@ -49,8 +52,13 @@ class Stager:
     """A strategy's staging buffers for background saves, kept from one save to the next."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._block: torch.Tensor | None = None  # one host allocation holding every staged chunk
+        self._block_registered = False  # page-locked with cudaHostRegister
+        self._layout: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # the chunks in it, in order
+        self._buffers: dict[tuple, torch.Tensor] = {}  # each chunk's view of the block
         self._stream: Any = None
+        self._pending: list[Any] = []  # CUDA events of copies the next optimizer step must wait for
+        self._step_hook: Any = None
 
     def stage(self, state: dict[str, Any], group: Any) -> Staged:
         """Copy the chunks of ``state`` (model and optimizer state dicts) that this rank writes; see the module doc.
@@ -79,24 +87,62 @@ class Stager:
     def copy(self, state: dict[str, Any], written: dict[str, set]) -> Staged:
         """Copy the chunks of ``state`` that :meth:`plan` says this rank writes (no collective)."""
         flat, mappings = flatten_state_dict(state)
-        copies = _Copies(self)
-        staged = {}
-        for fqn, value in flat.items():
-            if fqn in written or not isinstance(value, (torch.Tensor, StoredBoxes)):
-                # non-tensor entries stay everywhere (not copied; DCP's own dedup picks their writer again)
-                staged[fqn] = copies.stage(fqn, value, written.get(fqn, set()))
-            elif any(not isinstance(key, str) for key in mappings[fqn]):
-                return self._stage_all(state)  # a tensor in a list: leaving it out would shift the list's indices
-        self._buffers = copies.used  # buffers of entries no longer written are freed
+        left_out = [fqn for fqn, value in flat.items() if fqn not in written and isinstance(value, _TENSORS)]
+        if any(not isinstance(key, str) for fqn in left_out for key in mappings[fqn]):
+            return self._stage_all(state)  # a tensor in a list: leaving it out would shift the list's indices
+        layout = _Layout()
+        _walk(flat, written, layout)  # the chunks' shapes first: one block of their exact size
+        copies = _Copies(self, self._views(layout))
+        staged = _walk(flat, written, copies)
         return Staged(unflatten_state_dict(staged, mappings), copies.finish(), copies.nbytes)
+
+    def _views(self, layout: _Layout) -> dict[tuple, torch.Tensor]:
+        """Each chunk's buffer: a view of the block, the previous save's block when the chunks are the same."""
+        if self._block is None or layout.chunks != self._layout or layout.pinned != self._block_registered:
+            self._release_block()
+            offsets, size = {}, 0
+            for key, (shape, dtype) in layout.chunks.items():
+                offsets[key] = size
+                size += -(-shape.numel() * dtype.itemsize // _ALIGNMENT) * _ALIGNMENT
+            block = torch.empty(size, dtype=torch.uint8)
+            if layout.pinned:
+                _register(block)
+            self._block, self._block_registered, self._layout = block, layout.pinned, layout.chunks
+            self._buffers = {
+                key: block[offsets[key] : offsets[key] + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                for key, (shape, dtype) in layout.chunks.items()
+            }
+        return self._buffers
+
+    def wait_before_next_step(self, event: Any) -> None:
+        """The next optimizer step (any optimizer: the first in-place update of the shards) runs after ``event``."""
+        self._pending.append(event)
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for event in self._pending:
+            event.wait()  # the current stream waits; the host does not
+        self._pending.clear()
+        self._step_hook.remove()
+        self._step_hook = None
 
     def _stage_all(self, state: dict[str, Any]) -> Staged:
         copies = copy_to_cpu(state)
         return Staged(copies, lambda: None, _tensor_bytes(copies))
 
     def close(self) -> None:
-        self._buffers = {}
+        """Free the block and the stream (the last save was written: its writer waited for the copies)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        self._step_hook, self._pending = None, []
+        self._release_block()
         self._stream = None
+
+    def _release_block(self) -> None:
+        if self._block_registered:
+            torch.cuda.cudart().cudaHostUnregister(self._block.data_ptr())
+        self._block, self._block_registered, self._layout, self._buffers = None, False, {}, {}
 
     def _copy_stream(self) -> Any:
         if self._stream is None:
@@ -104,14 +150,23 @@ class Stager:
         return self._stream
 
 
-class _Copies:
-    """The copies of one staging: which buffers they used, how many bytes, and the CUDA event that ends them."""
+_TENSORS = (torch.Tensor, StoredBoxes)
+_ALIGNMENT = 64  # bytes: every chunk of the block starts at a multiple (any dtype's view is aligned)
 
-    def __init__(self, stager: Stager) -> None:
-        self._stager = stager
-        self.used: dict[tuple, torch.Tensor] = {}
-        self.nbytes = 0
-        self._device: torch.device | None = None  # the CUDA device copied from, once a copy was issued there
+
+def _walk(flat: dict[str, Any], written: dict[str, set], chunks: _Chunks) -> dict[str, Any]:
+    """The staged entries: each entry this rank writes handed to ``chunks``; non-tensors kept everywhere (not copied;
+    DCP's own dedup picks their writer again); tensors another rank writes left out."""
+    staged = {}
+    for fqn, value in flat.items():
+        if fqn in written or not isinstance(value, _TENSORS):
+            staged[fqn] = chunks.stage(fqn, value, written.get(fqn, set()))
+    return staged
+
+
+class _Chunks:
+    """One staging's walk over an entry: the chunks this rank writes, each handed to :meth:`_copy` with the views of
+    the live state it is made of."""
 
     def stage(self, fqn: str, value: Any, offsets: set) -> Any:
         from torch.distributed.tensor import DTensor
@@ -141,14 +196,37 @@ class _Copies:
         return StoredBoxes(self._copy(key, sources, (rows, *local.shape[1:])), size, kept)
 
     def _copy(self, key: tuple, sources: torch.Tensor | list[torch.Tensor], shape: Any = None) -> torch.Tensor:
-        """Copy ``sources`` (views of the live state, one after the other along dim 0) into the kept buffer."""
+        raise NotImplementedError
+
+
+class _Layout(_Chunks):
+    """The first walk: each chunk's shape and dtype (``chunks``), and whether its sources live on CUDA (``pinned``)."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self.pinned = False
+
+    def _copy(self, key: tuple, sources: torch.Tensor | list[torch.Tensor], shape: Any = None) -> torch.Tensor:
         sources = sources if isinstance(sources, list) else [sources]
         shape = sources[0].shape if shape is None else torch.Size(shape)
-        dtype, device = sources[0].dtype, sources[0].device
-        buffer = self._stager._buffers.get(key)
-        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
-            buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
-        self.used[key] = buffer
+        self.chunks[key] = (shape, sources[0].dtype)
+        self.pinned |= sources[0].device.type == "cuda"
+        return torch.empty(shape, dtype=sources[0].dtype, device="meta")
+
+
+class _Copies(_Chunks):
+    """The second walk: the copies into the block's views, how many bytes, and the CUDA event that ends them."""
+
+    def __init__(self, stager: Stager, buffers: dict[tuple, torch.Tensor]) -> None:
+        self._stager = stager
+        self._buffers = buffers
+        self.nbytes = 0
+        self._device: torch.device | None = None  # the CUDA device copied from, once a copy was issued there
+
+    def _copy(self, key: tuple, sources: torch.Tensor | list[torch.Tensor], shape: Any = None) -> torch.Tensor:
+        """Copy ``sources`` (views of the live state, one after the other along dim 0) into the chunk's buffer."""
+        sources = sources if isinstance(sources, list) else [sources]
+        buffer = self._buffers[key]
         self.nbytes += buffer.nbytes
         row = 0
         for source in sources:
@@ -174,7 +252,7 @@ class _Copies:
             return lambda: None
         event = torch.cuda.Event()
         event.record(self._stager._copy_stream())
-        torch.cuda.current_stream().wait_event(event)  # training's next kernels run after the copies, host not blocked
+        self._stager.wait_before_next_step(event)
         device = self._device
 
         def ready() -> None:
@@ -205,3 +283,10 @@ def _tensor_bytes(tree: Any) -> int:
         return leaf.local if isinstance(leaf, StoredBoxes) else leaf.to_local() if isinstance(leaf, DTensor) else leaf
 
     return sum(local(leaf).nbytes for _, leaf in tree_leaves(tree, (torch.Tensor, StoredBoxes)))
+
+
+def _register(block: torch.Tensor) -> None:
+    """Page-lock ``block`` (pageable memory of its exact size) for asynchronous copies from the GPU."""
+    code = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.nbytes, 1))  # 1: portable
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of the {block.nbytes}-byte staging block failed with CUDA error {code}")
