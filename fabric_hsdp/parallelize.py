@@ -166,7 +166,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, settings: FSDPSettings, l
 
     units = sharded_units(module, settings.sharded_modules)  # the transformer blocks, before anything wraps them
     if levers.float8 is not None:
-        apply_float8(module, levers.float8, compiled=levers.compile is not False)
+        apply_float8(
+            module, levers.float8, compiled=levers.compile is not False, tensor_parallel=mesh.tensor is not None
+        )
     if mesh.tensor is not None:
         levers.tensor_parallel = apply_tensor_parallel(
             module,

@@ -26,6 +26,7 @@ from fabric_hsdp import distributed
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
+from fabric_hsdp.float8 import precompute_scales_after_steps
 from fabric_hsdp.fsdp import (
     ModulePolicy,
     check_optimizer_is_sharded,
@@ -297,6 +298,8 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         check_optimizer_is_sharded(optimizer)
+        if self._levers.float8 is not None and self._levers.float8.recipe == "tensorwise":
+            precompute_scales_after_steps(optimizer, self._sharded.modules())
         return optimizer
 
     @override

@@ -30,6 +30,10 @@ class ShardedModuleRegistry:
     def add(self, module: nn.Module) -> None:
         self._modules.append(weakref.ref(module))
 
+    def modules(self) -> list[nn.Module]:
+        """The sharded modules still alive."""
+        return [module for module in (ref() for ref in self._modules) if module is not None]
+
     def release_and_destroy(self) -> None:
         """Detach FSDP2 state from every registered module, then destroy the default process group."""
         for ref in self._modules:

@@ -88,8 +88,13 @@ PLANTS: dict[str, Plant] = {
     ),
     "5": Plant(
         "activation checkpointing really applied",
-        "the layers activation_checkpointing selects are not wrapped (checkpoint(child) -> pass)",
-        (("            checkpoint(child)\n", "            pass\n"),),
+        "the layers activation_checkpointing selects keep their own forward (no checkpoint inside it)",
+        (
+            (
+                '        child.__class__ = checkpointed_class(type(child), selective=mode == "selective")\n',
+                "        pass\n",
+            ),
+        ),
         ("tests/test_strategy.py::test_training_matches_single_process[llama-accumulate-clipnorm-ac-and-bugs]",),
     ),
     "5b": Plant(
@@ -308,11 +313,11 @@ PLANTS: dict[str, Plant] = {
             (
                 "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
                 '            if full or self.state_dict_type == "full" or path.suffix == ".safetensors":\n'
-                "                save_full(path, state)  # rank 0 writes; the others wait in its gathers\n"
+                "                save_full(path, state, filter)  # rank 0 writes; the others wait in its gathers\n"
                 "                return\n",
                 '        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":  # planted\n'
                 "            with module_layout():\n"
-                "                save_full(path, state)\n"
+                "                save_full(path, state, filter)\n"
                 "            return\n"
                 "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
             ),
@@ -451,6 +456,23 @@ PLANTS: dict[str, Plant] = {
         "no step waits: the next optimizer step may overwrite shards the side stream has not copied yet",
         (("        if self._step_hook is None:\n", "        if False:\n"),),
         ("tests/checkpoint/test_staging.py::test_the_next_optimizer_step_waits_for_the_copies_and_only_it",),
+    ),
+    "35k": Plant(
+        "float8 tensorwise: float8 all-gather with scales precomputed after each step (#35 item 6)",
+        "no precompute after the optimizer step: each layer computes its scale inside the next forward",
+        (("            precompute_scales_after_steps(optimizer, self._sharded.modules())\n", "            pass\n"),),
+        ("tests/test_float8.py",),
+    ),
+    "35l": Plant(
+        "float8 tensorwise: the weights are all-gathered in float8 (#35 item 6)",
+        "tensorwise all-gathers in high precision (torchao's default)",
+        (
+            (
+                "        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)\n",
+                "        pass\n",
+            ),
+        ),
+        ("tests/test_float8.py",),
     ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",
