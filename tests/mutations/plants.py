@@ -425,4 +425,46 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/checkpoint/test_save_load.py::test_resuming_another_models_checkpoint_names_both_sides",),
     ),
+    "32a": Plant(
+        "hub-layout MoE checkpoints load through transformers' conversion rules (#32 item 1)",
+        "raw loads ignore the model family's conversion: the per-expert tensors meet the fused parameters",
+        (("    load.module = module\n", "    load.module = None\n"),),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts[qwen3_moe-modes0]",
+        ),
+    ),
+    "32b": Plant(
+        "a rank reads only the experts its shard holds (#32 items 1 and 4)",
+        "a box of stacked experts reads every expert of the layer, then keeps its own (values still right)",
+        (
+            (
+                "        return torch.stack([self.parts[index].read(inner) for index in range(start, start + size)],"
+                " self.dim)\n",
+                "        return torch.stack([part.read(inner) for part in self.parts], self.dim)"
+                ".narrow(self.dim, start, size)\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts[mixtral-modes1]",
+            "tests/checkpoint/test_moe_checkpoints.py::test_a_box_cutting_through_the_concatenation_reads_only_its_rows",
+        ),
+    ),
+    "32c": Plant(
+        "a shard cutting through gate_up_proj's concatenation reads the right rows of each part (#32 item 1)",
+        "the part's rows are taken at the concatenation's offsets, not the part's own",
+        (
+            (
+                "                pieces.append(part.read(_replace(box, self.dim, begin - start, end - begin)))\n",
+                "                pieces.append(part.read(_replace(box, self.dim,"
+                " min(begin, part.shape[self.dim] - end + begin), end - begin)))\n",
+            ),
+        ),
+        ("tests/checkpoint/test_moe_checkpoints.py::test_a_box_cutting_through_the_concatenation_reads_only_its_rows",),
+    ),
+    "32d": Plant(
+        "operations that cannot be read lazily are refused by name (#32 item 1)",
+        "no check of the mapping's operations before running them on lazy expressions",
+        (("        if type(operation).__name__ not in LAZY_OPERATIONS:\n", "        if False:\n"),),
+        ("tests/checkpoint/test_moe_checkpoints.py::test_operations_that_cannot_be_read_lazily_are_refused_by_name",),
+    ),
 }

@@ -1,0 +1,150 @@
+"""Mixture-of-experts checkpoints (#32): hub-layout files (one tensor per expert) load raw into models whose experts
+are fused parameters, through transformers' own conversion rules, each rank reading only its experts' rows."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import moe
+from tests.helpers.launch import launch
+from tests.scenarios.common import ReadCounter, full_state, make_fabric
+
+pytestmark = pytest.mark.slow
+
+
+def load_hub(num_nodes: int, devices: int, kind: str, path: str, modes: list[str | None]) -> list[dict[str, Any]]:
+    """Per load mode: meta-init, shard over HSDP, ``load_raw`` the hub-layout file; what was read and how the
+    model compares with its library's own load of the same file."""
+    from torch.distributed.tensor import DTensor
+
+    fabric = make_fabric(num_nodes, devices, sharded_modules={moe.layer_class(kind)})
+    reference = moe.load_reference(kind, path)
+    with torch.no_grad():
+        expected_logits = moe.logits_of(reference, moe.TOKENS)
+    expected_state = reference.state_dict()
+    results = []
+    for mode in modes:
+        with fabric.init_module(empty_init=True):
+            model = moe.build(kind, seed=123)
+        model = fabric.setup_module(model)
+        counter = ReadCounter()
+        result = fabric.strategy.load_raw(path, model, load_mode=mode)
+        read = counter.bytes
+        state = full_state(model)
+        local = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in model.module.state_dict().items()}
+        with torch.no_grad():
+            logits = moe.logits_of(model, moe.TOKENS)
+        experts = [name for name in local if "experts" in name]
+        results.append(
+            {
+                "mode": mode,
+                "missing": result.missing,
+                "unexpected": result.unexpected,
+                "max_logit_diff": (logits - expected_logits).abs().max().item(),
+                "weights_differ": sorted(n for n, t in expected_state.items() if not torch.equal(state[n], t)),
+                "bytes_read": read,
+                "own_bytes": sum(t.numel() * t.element_size() for t in local.values()),
+                "expert_bytes_local": sum(local[n].numel() * local[n].element_size() for n in experts),
+                "expert_bytes_all": sum(math.prod(state[n].shape) * state[n].element_size() for n in experts),
+                "model_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+                "expert_placements": sorted(
+                    {str(getattr(model.module.state_dict()[n], "placements", None)) for n in experts}
+                ),
+            }
+        )
+    return results
+
+
+@pytest.fixture(scope="module")
+def hub_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {kind: moe.save_hub(kind, root / kind) for kind in moe.KINDS}
+
+
+def test_save_pretrained_writes_one_tensor_per_expert(hub_files):
+    from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+
+    with open_checkpoint(hub_files["qwen3_moe"]) as source:
+        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in source
+        assert not [key for key in source if key.endswith("gate_up_proj")]
+    with open_checkpoint(hub_files["mixtral"]) as source:
+        assert "model.layers.1.block_sparse_moe.experts.2.w3.weight" in source
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    ("kind", "modes"),
+    [("qwen3_moe", [None, "rank0"]), ("mixtral", [None, "turns"]), ("litgpt_moe", [None])],
+)
+def test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts(hub_files, kind, modes):
+    values = (
+        launch(
+            "tests.checkpoint.test_moe_checkpoints:load_hub",
+            {"kind": kind, "path": str(hub_files[kind]), "modes": modes},
+            timeout=360,
+        )
+        .check()
+        .values
+    )
+    for rank, per_mode in enumerate(values):
+        for outcome in per_mode:
+            assert outcome["missing"] == [] and outcome["unexpected"] == [], (rank, outcome)
+            assert outcome["weights_differ"] == [], (rank, outcome)
+            assert outcome["max_logit_diff"] == 0.0, (rank, outcome)
+            # experts are sharded by expert: Shard(0) over the shard dim, replicated over the replicas
+            assert outcome["expert_placements"] == ["(Replicate(), Shard(dim=0))"], outcome
+            # half of each layer's experts live on each rank of a shard group of 2
+            assert outcome["expert_bytes_local"] * 2 == outcome["expert_bytes_all"], outcome
+            if outcome["mode"] in (None, "turns"):  # each rank reads exactly its own shard's bytes, experts included
+                assert outcome["bytes_read"] == outcome["own_bytes"], (rank, outcome)
+                assert outcome["bytes_read"] * 2 == outcome["model_bytes"], (rank, outcome)
+            elif rank == 0:  # rank0: rank 0 reads every tensor once, for everyone
+                assert outcome["bytes_read"] == outcome["model_bytes"], outcome
+            else:
+                assert outcome["bytes_read"] == 0, (rank, outcome)
+
+
+def _meta_model(kind: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return moe.build(kind)
+
+
+def test_a_box_cutting_through_the_concatenation_reads_only_its_rows(hub_files):
+    from fabric_hsdp.checkpoint.formats.conversions import ConvertedSource, convert_for_model
+    from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+
+    reference = moe.load_reference("qwen3_moe", hub_files["qwen3_moe"]).state_dict()
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # [4 experts, gate 32 rows + up 32 rows, 64]
+    counter = ReadCounter()
+    with open_checkpoint(hub_files["qwen3_moe"]) as stored:
+        source = convert_for_model(stored, _meta_model("qwen3_moe"))
+        assert isinstance(source, ConvertedSource) and sorted(source.keys()) == sorted(reference)
+        box = (slice(1, 3), slice(20, 50), slice(8, 40))  # experts 1-2, gate rows 20-31 and up rows 0-17
+        before = counter.bytes
+        part = source.read_slice(name, box)
+        assert torch.equal(part, reference[name][box])
+        assert counter.bytes - before == 2 * 30 * 32 * 4
+        down = "model.layers.0.mlp.experts.down_proj"
+        assert torch.equal(source.read(down), reference[down])
+
+
+def test_operations_that_cannot_be_read_lazily_are_refused_by_name(hub_files, monkeypatch):
+    from transformers.core_model_loading import MergeModulelist, PermuteForRope, WeightConverter
+
+    from fabric_hsdp.checkpoint.formats import conversions
+    from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+    from fabric_hsdp.errors import CheckpointError
+
+    mapping = [
+        WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", operations=[MergeModulelist(0)]),
+        WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", operations=[PermuteForRope()]),
+    ]
+    monkeypatch.setattr(conversions, "_transformers_mapping", lambda model: mapping)
+    with open_checkpoint(hub_files["qwen3_moe"]) as stored, pytest.raises(CheckpointError) as error:
+        conversions.convert_for_model(stored, _meta_model("qwen3_moe"))
+    assert "with PermuteForRope, which fabric-hsdp cannot apply lazily" in str(error.value)
+    assert "'model.layers.0.self_attn.q_proj.weight'" in str(error.value)
