@@ -467,4 +467,29 @@ PLANTS: dict[str, Plant] = {
         (("        if type(operation).__name__ not in LAZY_OPERATIONS:\n", "        if False:\n"),),
         ("tests/checkpoint/test_moe_checkpoints.py::test_operations_that_cannot_be_read_lazily_are_refused_by_name",),
     ),
+    "32e": Plant(
+        "MoE decoder layers are FSDP units with their experts inside (#32 item 2)",
+        "the default units are the layers of every nn.ModuleList, litgpt's experts included (one unit per expert)",
+        (("                inside.update(id(nested) for nested in child.modules())\n", ""),),
+        ("tests/test_moe.py::test_three_steps_match_one_process_with_each_rank_routing_its_own_batch[litgpt_moe]",),
+    ),
+    "32f": Plant(
+        "tensor parallelism on an MoE model is refused saying which sizes work (#32 item 2)",
+        "no refusal: the auto plan meets transformers' expert styles",
+        (("    refuse_tensor_parallel(model, plan)\n", ""),),
+        ("tests/test_moe.py::test_tensor_parallel_auto_plan_is_refused_saying_which_sizes_work",),
+    ),
+    "32g": Plant(
+        "MoE training matches one process, each rank routing its own batch (#32 item 2)",
+        "fully_shard gets the shard dim only: the replicas' expert and router gradients are never averaged",
+        (
+            (
+                '    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward":'
+                " settings.reshard_after_forward}\n",
+                '    kwargs: dict[str, Any] = {"mesh": mesh["shard"], "reshard_after_forward":'
+                " settings.reshard_after_forward}\n",
+            ),
+        ),
+        ("tests/test_moe.py::test_three_steps_match_one_process_with_each_rank_routing_its_own_batch[qwen3_moe]",),
+    ),
 }
