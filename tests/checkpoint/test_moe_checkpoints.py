@@ -148,3 +148,90 @@ def test_operations_that_cannot_be_read_lazily_are_refused_by_name(hub_files, mo
         conversions.convert_for_model(stored, _meta_model("qwen3_moe"))
     assert "with PermuteForRope, which fabric-hsdp cannot apply lazily" in str(error.value)
     assert "'model.layers.0.self_attn.q_proj.weight'" in str(error.value)
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    state = getattr(optimizer, "optimizer", optimizer).state
+    return {
+        f"{name}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value
+        for name, param in model.named_parameters()
+        for key, value in state[param].items()
+        if isinstance(value, torch.Tensor) and value.ndim
+    }
+
+
+def train_and_save(num_nodes: int, devices: int, kind: str, path: str, steps: int = 2) -> dict[str, Any]:
+    """Train ``steps`` steps on HSDP (each rank its own rows), save sharded; the full model and AdamW state."""
+    from tests.scenarios.common import batch
+
+    fabric = make_fabric(num_nodes, devices)
+    model = fabric.setup_module(moe.build(kind, seed=0))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    inputs, targets = batch(2 * fabric.world_size)
+    rows = slice(2 * fabric.global_rank, 2 * fabric.global_rank + 2)
+    for _ in range(steps):
+        fabric.backward(moe.loss_of(model, inputs[rows], targets[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps})
+    return {"model": full_state(model), "optimizer": _optimizer_state(model, optimizer)}
+
+
+def resume(num_nodes: int, devices: int, kind: str, path: str) -> dict[str, Any]:
+    fabric = make_fabric(num_nodes, devices)
+    with fabric.init_module(empty_init=True):
+        model = moe.build(kind, seed=123)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    return {"model": full_state(model), "optimizer": _optimizer_state(model, optimizer), "step": state["step"]}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("kind", moe.KINDS)
+def test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layout(hub_files, tmp_path, kind):
+    from fabric_hsdp.checkpoint import convert_checkpoint
+
+    path = str(tmp_path / "sharded")
+    saved = launch("tests.checkpoint.test_moe_checkpoints:train_and_save", {"kind": kind, "path": path}, timeout=180)
+    saved = saved.check().values
+    resumed = (
+        launch(
+            "tests.checkpoint.test_moe_checkpoints:resume",
+            {"kind": kind, "path": path},
+            num_nodes=1,
+            ranks_per_node=2,
+            timeout=180,
+        )
+        .check()
+        .values
+    )
+    trained = saved[0]["model"]
+    assert any("experts" in name for name in saved[0]["optimizer"])
+    for values in resumed:  # 2 nodes x 2 ranks -> 1 node x 2 ranks: every weight and AdamW moment exactly
+        assert values["step"] == 2
+        assert sorted(values["model"]) == sorted(trained)
+        assert [n for n, t in trained.items() if not torch.equal(values["model"][n], t)] == []
+        assert sorted(values["optimizer"]) == sorted(saved[0]["optimizer"])
+        assert [n for n, t in saved[0]["optimizer"].items() if not torch.equal(values["optimizer"][n], t)] == []
+
+    if kind == "litgpt_moe":  # litgpt's own layout is one module per expert: the export is lit_model.pth
+        convert_checkpoint(path, tmp_path / "lit_model.pth", model_only=True)
+        model = moe.build(kind, seed=123)
+        model.load_state_dict(torch.load(tmp_path / "lit_model.pth", weights_only=True))
+        assert [n for n, t in model.state_dict().items() if not torch.equal(t, trained[n])] == []
+        return
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    export = tmp_path / "export"
+    convert_checkpoint(path, export, to="safetensors", hf_config=hub_files[kind] / "config.json", model_only=True)
+    with (
+        safe_open(str(export / "model.safetensors"), "pt") as exported,
+        safe_open(str(hub_files[kind] / "model.safetensors"), "pt") as hub,
+    ):
+        assert sorted(exported.keys()) == sorted(hub.keys())  # one tensor per expert, the hub's names
+    model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert {key: value for key, value in info.items() if value} == {}, info  # nothing missing, unexpected, failed
+    assert [n for n, t in model.state_dict().items() if not torch.equal(t, trained[n])] == []

@@ -492,4 +492,29 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_moe.py::test_three_steps_match_one_process_with_each_rank_routing_its_own_batch[qwen3_moe]",),
     ),
+    "32h": Plant(
+        "MoE exports are written in the hub's layout, one tensor per expert (#32 item 3)",
+        "convert_checkpoint writes the model's fused experts as they are",
+        (("        hub = hub_layout_for_config(checkpoint, renamed, config)\n", "        hub = None\n"),),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::"
+            "test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layout[qwen3_moe]",
+        ),
+    ),
+    "32i": Plant(
+        "each exported expert is its own box of the fused tensor (#32 item 3)",
+        "every chunk of a split starts at row 0: each expert exported as expert 0",
+        (
+            (
+                "    return tuple(_Narrowed(part, dim, start, min(step, size - start))"
+                " for start in range(0, size, step))\n",
+                "    return tuple(_Narrowed(part, dim, 0, min(step, size - start))"
+                " for start in range(0, size, step))\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::"
+            "test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layout[mixtral]",
+        ),
+    ),
 }

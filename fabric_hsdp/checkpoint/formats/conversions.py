@@ -18,10 +18,12 @@ of every other format.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from copy import deepcopy
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -387,3 +389,24 @@ def hub_layout_tensors(
 
 def _reader(expression: LazyExpression) -> Callable[[], torch.Tensor]:
     return lambda: expression.read(expression.whole()).contiguous()
+
+
+def hub_layout_for_config(
+    source: CheckpointSource, names: dict[str, str], config_path: Path | None
+) -> dict[str, LazyTensor] | None:
+    """:func:`hub_layout_tensors` for the ``model_type`` of a transformers ``config.json``; ``None`` without a config,
+    a ``model_type``, transformers, or a conversion that changes any name (the tensors are then written as they are)."""
+    if config_path is None:
+        return None
+    model_type = json.loads(Path(config_path).read_text()).get("model_type")
+    if not model_type:
+        return None
+    try:
+        import transformers.conversion_mapping  # noqa: F401
+    except ImportError:
+        return None
+    tensors = hub_layout_tensors(source, names, model_type)
+    if sorted(tensors) == sorted(names):
+        return None
+    _logger.info("writing %d model tensors as %d in the hub's layout for %s", len(names), len(tensors), model_type)
+    return tensors
