@@ -8,6 +8,8 @@ fused tensors is a range of experts); every rank routes its own tokens through t
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -26,10 +28,11 @@ def expert_count(experts: nn.Module) -> int:
     return fused[0].shape[0] if fused else 0
 
 
-def refuse_tensor_parallel(model: nn.Module, plan: Any) -> None:
-    """Raise for ``tensor_parallel_plan="auto"`` on a model with experts, saying what works instead."""
+def refuse_tensor_parallel(model: nn.Module) -> None:
+    """Raise for ``tensor_parallel_plan="auto"`` on a model with experts, saying what works instead (the planner then
+    guesses split dims by name)."""
     experts = expert_modules(model)
-    if plan != "auto" or not experts:
+    if not experts:
         return
     name, module = experts[0]
     raise ValueError(
@@ -39,3 +42,29 @@ def refuse_tensor_parallel(model: nn.Module, plan: Any) -> None:
         " tensor_parallel_size=1 works: each decoder layer is an FSDP unit whose experts are sharded by expert over"
         " the shard dim (shard_size), replicated over the replicas. Or pass your own plan (a dict or a callable)."
     )
+
+
+# config names of the experts each token is routed to, and of the experts per layer (transformers, litgpt)
+_TOP_K = ("num_experts_per_tok", "n_expert_per_token")
+_EXPERTS = ("num_experts", "num_local_experts", "n_expert")
+
+
+def active_parameters(named_shapes: Iterable[tuple[str, Sequence[int]]], config: Any) -> int | None:
+    """Parameters one token passes through: everything but the experts, plus ``top_k / experts`` of the experts'
+    (``None`` for a model whose config names no routed experts)."""
+    top_k, experts = _config_int(config, _TOP_K), _config_int(config, _EXPERTS)
+    if not top_k or not experts:
+        return None
+    total = 0
+    for name, shape in named_shapes:
+        numel = math.prod(shape)
+        total += numel * top_k // experts if ".experts." in name else numel
+    return total
+
+
+def _config_int(config: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

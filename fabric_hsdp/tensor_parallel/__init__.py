@@ -30,7 +30,6 @@ from torch import nn
 
 from fabric_hsdp.checkpoint.core.stored_rows import ATTRIBUTE, FusedRows, fused_rows_of, module_layout
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.moe import refuse_tensor_parallel
 from fabric_hsdp.tensor_parallel.fused_rows import add_state_dict_hooks
 from fabric_hsdp.tensor_parallel.loss import loss_parallel
 from fabric_hsdp.tensor_parallel.plans import DICT_FORM, ModelPlan, auto_plan
@@ -108,7 +107,6 @@ def apply_tensor_parallel(
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    refuse_tensor_parallel(model, plan)
     size = mesh.size()
     tied = tied_groups(model)
     if callable(plan):

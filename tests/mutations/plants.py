@@ -476,7 +476,7 @@ PLANTS: dict[str, Plant] = {
     "32f": Plant(
         "tensor parallelism on an MoE model is refused saying which sizes work (#32 item 2)",
         "no refusal: the auto plan meets transformers' expert styles",
-        (("    refuse_tensor_parallel(model, plan)\n", ""),),
+        (("    refuse_tensor_parallel(model)\n", ""),),
         ("tests/test_moe.py::test_tensor_parallel_auto_plan_is_refused_saying_which_sizes_work",),
     ),
     "32g": Plant(
@@ -516,5 +516,16 @@ PLANTS: dict[str, Plant] = {
             "tests/checkpoint/test_moe_checkpoints.py::"
             "test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layout[mixtral]",
         ),
+    ),
+    "32j": Plant(
+        "the planner counts MoE total and active parameters (#32 item 5)",
+        "every expert counted as active",
+        (
+            (
+                '        total += numel * top_k // experts if ".experts." in name else numel\n',
+                "        total += numel\n",
+            ),
+        ),
+        ("tests/planning/test_moe_counts.py::test_total_and_active_parameters_of_a_moe_model",),
     ),
 }
