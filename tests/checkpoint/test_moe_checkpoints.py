@@ -235,3 +235,15 @@ def test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layou
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert {key: value for key, value in info.items() if value} == {}, info  # nothing missing, unexpected, failed
     assert [n for n, t in model.state_dict().items() if not torch.equal(t, trained[n])] == []
+
+
+def test_a_torch_function_the_expressions_cannot_apply_lazily_is_refused_by_name(hub_files):
+    from fabric_hsdp.checkpoint.formats.conversions import convert_for_model
+    from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
+    from fabric_hsdp.errors import CheckpointError
+
+    with open_checkpoint(hub_files["qwen3_moe"]) as stored:
+        source = convert_for_model(stored, _meta_model("qwen3_moe"))
+        fused = source.expressions["model.layers.0.mlp.experts.down_proj"]
+        with pytest.raises(CheckpointError, match=r"applies torch\.add to stored tensors, which fabric-hsdp cannot"):
+            torch.add(fused, 1)

@@ -362,7 +362,7 @@ def hub_layout_tensors(
     hub's layout for a transformers ``model_type`` (one tensor per expert): transformers' own reverse conversion, each
     output tensor read lazily as the boxes of ``source``'s tensors it is made of.
 
-    Returns ``None`` when transformers has no conversion for ``model_type``.
+    Without a conversion for ``model_type`` the tensors are returned as they are stored.
     """
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import revert_weight_conversion
