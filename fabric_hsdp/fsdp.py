@@ -200,7 +200,15 @@ def _reshard_after_forward_without_gradients(module: nn.Module, args: Any, outpu
 
 
 def _module_list_layers(module: nn.Module) -> Callable[[str, nn.Module], bool]:
-    layers = {id(child) for sub in module.modules() if isinstance(sub, nn.ModuleList) for child in sub}
+    # only the outermost lists' layers: a list inside a layer (litgpt's MoE experts) is part of it, and an expert
+    # that some rank's tokens skip must not be a unit of its own (its all-gather would run on some ranks only)
+    layers: set[int] = set()
+    inside: set[int] = set()
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList) and id(sub) not in inside:
+            for child in sub:
+                layers.add(id(child))
+                inside.update(id(nested) for nested in child.modules())
     return lambda name, child: id(child) in layers
 
 

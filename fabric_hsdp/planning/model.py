@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fabric_hsdp.moe import active_parameters
+
 _UNIT = re.compile(r"^(.*?\.\d+)\.")
 # module names (the component before ".weight"/".bias") -> how tensor parallelism splits them
 _COLUMN_WISE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk", "wv", "w1", "w3", "qkv", "fc_1"}
@@ -95,6 +97,7 @@ class ModelShape:
     # head counts tensor parallelism must divide (its plan's, else the config's), and where the split dims came from
     tensor_parallel_heads: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
     tensor_parallel_source: str = "guessed from parameter names"
+    active_parameters: int | None = field(default=None, compare=False)  # per token, for mixture-of-experts models
     # what the planner derives from the shapes, per layout (many layouts share them; layers repeat)
     cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
@@ -132,9 +135,12 @@ class ModelShape:
         dims = self.dims
         heads = "" if dims.num_heads is None else f", {dims.num_heads} heads ({dims.num_kv_heads} key/value)"
         return (
-            f"{self.description}: {_count(self.num_parameters)} parameters ({dims.num_layers} layers, hidden"
-            f" {dims.hidden_size}{heads}, intermediate {dims.intermediate_size}, vocabulary {dims.vocab_size})"
+            f"{self.description}: {_count(self.num_parameters)} parameters{self._active()} ({dims.num_layers} layers,"
+            f" hidden {dims.hidden_size}{heads}, intermediate {dims.intermediate_size}, vocabulary {dims.vocab_size})"
         )
+
+    def _active(self) -> str:
+        return "" if self.active_parameters is None else f", {_count(self.active_parameters)} active per token"
 
 
 def _count(number: int) -> str:
@@ -173,10 +179,13 @@ def model_shape(
         dims = replace(dims, head_dim=dims.hidden_size // dims.num_heads)
     if dims.num_kv_heads is None and dims.num_heads:
         dims = replace(dims, num_kv_heads=dims.num_heads)
+    active = active_parameters([(p.name, p.shape) for p in parameters], config)
     if plan_heads is not None:
-        return ModelShape(description, tuple(parameters), dims, plan_heads, "the model's tensor-parallel plan")
+        return ModelShape(description, tuple(parameters), dims, plan_heads, "the model's tensor-parallel plan", active)
     heads = {"num_attention_heads": dims.num_heads, "num_key_value_heads": dims.num_kv_heads}
-    return ModelShape(description, tuple(parameters), dims, {k: v for k, v in heads.items() if v})
+    return ModelShape(
+        description, tuple(parameters), dims, {k: v for k, v in heads.items() if v}, active_parameters=active
+    )
 
 
 def model_shape_of_module(

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.moe import refuse_tensor_parallel
 from fabric_hsdp.tensor_parallel.styles import FusedColwise
 
 _logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def auto_plan(model: nn.Module) -> ModelPlan:
     Raises:
         ValueError: ``model`` is of no family this package knows; the message shows the dict form.
     """
+    refuse_tensor_parallel(model)
     if _is_litgpt_gpt(model):
         return _litgpt_plan(model)
     if _hf_plan_entries(model):

@@ -485,4 +485,116 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/checkpoint/test_save_load.py::test_resuming_another_models_checkpoint_names_both_sides",),
     ),
+    "32a": Plant(
+        "hub-layout MoE checkpoints load through transformers' conversion rules (#32 item 1)",
+        "raw loads ignore the model family's conversion: the per-expert tensors meet the fused parameters",
+        (("    load.module = module\n", "    load.module = None\n"),),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts[qwen3_moe-modes0]",
+        ),
+    ),
+    "32b": Plant(
+        "a rank reads only the experts its shard holds (#32 items 1 and 4)",
+        "a box of stacked experts reads every expert of the layer, then keeps its own (values still right)",
+        (
+            (
+                "        return torch.stack([self.parts[index].read(inner) for index in range(start, start + size)],"
+                " self.dim)\n",
+                "        return torch.stack([part.read(inner) for part in self.parts], self.dim)"
+                ".narrow(self.dim, start, size)\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts[mixtral-modes1]",
+            "tests/checkpoint/test_moe_checkpoints.py::test_a_box_cutting_through_the_concatenation_reads_only_its_rows",
+        ),
+    ),
+    "32c": Plant(
+        "a shard cutting through gate_up_proj's concatenation reads the right rows of each part (#32 item 1)",
+        "the part's rows are taken at the concatenation's offsets, not the part's own",
+        (
+            (
+                "                pieces.append(part.read(_replace(box, self.dim, begin - start, end - begin)))\n",
+                "                pieces.append(part.read(_replace(box, self.dim,"
+                " min(begin, part.shape[self.dim] - end + begin), end - begin)))\n",
+            ),
+        ),
+        ("tests/checkpoint/test_moe_checkpoints.py::test_a_box_cutting_through_the_concatenation_reads_only_its_rows",),
+    ),
+    "32d": Plant(
+        "operations that cannot be read lazily are refused by name (#32 item 1)",
+        "no check of the mapping's operations before running them on lazy expressions",
+        (("        if type(operation).__name__ not in LAZY_OPERATIONS:\n", "        if False:\n"),),
+        ("tests/checkpoint/test_moe_checkpoints.py::test_operations_that_cannot_be_read_lazily_are_refused_by_name",),
+    ),
+    "32e": Plant(
+        "MoE decoder layers are FSDP units with their experts inside (#32 item 2)",
+        "the default units are the layers of every nn.ModuleList, litgpt's experts included (one unit per expert)",
+        (("                inside.update(id(nested) for nested in child.modules())\n", ""),),
+        ("tests/test_moe.py::test_three_steps_match_one_process_with_each_rank_routing_its_own_batch[litgpt_moe]",),
+    ),
+    "32f": Plant(
+        "tensor parallelism on an MoE model is refused saying which sizes work (#32 item 2)",
+        "no refusal: the auto plan meets transformers' expert styles",
+        (("    refuse_tensor_parallel(model)\n", ""),),
+        ("tests/test_moe.py::test_tensor_parallel_auto_plan_is_refused_saying_which_sizes_work",),
+    ),
+    "32g": Plant(
+        "MoE training matches one process, each rank routing its own batch (#32 item 2)",
+        "fully_shard gets the shard dim only: the replicas' expert and router gradients are never averaged",
+        (
+            (
+                '    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward":'
+                " settings.reshard_after_forward}\n",
+                '    kwargs: dict[str, Any] = {"mesh": mesh["shard"], "reshard_after_forward":'
+                " settings.reshard_after_forward}\n",
+            ),
+        ),
+        ("tests/test_moe.py::test_three_steps_match_one_process_with_each_rank_routing_its_own_batch[qwen3_moe]",),
+    ),
+    "32h": Plant(
+        "MoE exports are written in the hub's layout, one tensor per expert (#32 item 3)",
+        "convert_checkpoint writes the model's fused experts as they are",
+        (("        hub = hub_layout_for_config(checkpoint, renamed, config)\n", "        hub = None\n"),),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::"
+            "test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layout[qwen3_moe]",
+        ),
+    ),
+    "32i": Plant(
+        "each exported expert is its own box of the fused tensor (#32 item 3)",
+        "every chunk of a split starts at row 0: each expert exported as expert 0",
+        (
+            (
+                "    return tuple(_Narrowed(part, dim, start, min(step, size - start))"
+                " for start in range(0, size, step))\n",
+                "    return tuple(_Narrowed(part, dim, 0, min(step, size - start))"
+                " for start in range(0, size, step))\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::"
+            "test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layout[mixtral]",
+        ),
+    ),
+    "32j": Plant(
+        "the planner counts MoE total and active parameters (#32 item 5)",
+        "every expert counted as active",
+        (
+            (
+                '        total += numel * top_k // experts if ".experts." in name else numel\n',
+                "        total += numel\n",
+            ),
+        ),
+        ("tests/planning/test_moe_counts.py::test_total_and_active_parameters_of_a_moe_model",),
+    ),
+    "32k": Plant(
+        "a torch function the lazy expressions cannot apply is refused by name (#32 item 1)",
+        "unknown torch functions fall through to a missing handler (a bare TypeError)",
+        (("        if handler is None:\n", "        if False:\n"),),
+        (
+            "tests/checkpoint/test_moe_checkpoints.py::"
+            "test_a_torch_function_the_expressions_cannot_apply_lazily_is_refused_by_name",
+        ),
+    ),
 }

@@ -34,6 +34,7 @@ from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.progress import Progress
 from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, fused_rows_of
 from fabric_hsdp.checkpoint.core.tree import read_lazy
+from fabric_hsdp.checkpoint.formats.conversions import convert_for_model
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.training import replica_split
@@ -163,6 +164,15 @@ class _Load:
     fused: dict[str, FusedRows]  # parameters whose rows tensor parallelism regrouped
     split_mesh: Any = None  # the mesh, when replicas split their reads
     splits: list[replica_split.Split] = field(default_factory=list)  # parts read, to all-gather after
+    module: nn.Module | None = None  # its family's conversion rules (MoE experts) apply to the source
+
+    def open(self) -> CheckpointSource:
+        source = open_checkpoint(self.path, weights_only=self.weights_only)
+        try:
+            return source if self.module is None else convert_for_model(source, self.module)
+        except BaseException:
+            source.close()
+            raise
 
     def match(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
         return match_source_keys(source, self.targets, self.key_map, self.strict, self.tied)
@@ -191,6 +201,7 @@ def load_into_model(
     validate_load_mode(load_mode)
     load = _Load(path, module.state_dict(), strict, key_map, weights_only, tied_names(module), fused_rows_of(module))
     load.split_mesh = split_mesh
+    load.module = module
     if load_mode == "rank0":
         return _load_from_rank0(load)
     if load_mode == "slice":
@@ -220,7 +231,7 @@ def _progress(source: CheckpointSource, names: list[str], what: str) -> Progress
 def _load_slices(load: _Load) -> LoadResult:
     with (
         watchdog.doing_io("reading", str(load.path)),
-        open_checkpoint(load.path, weights_only=load.weights_only) as source,
+        load.open() as source,
     ):
         match, mismatched = load.match(source)
         names = [k for k in match.mapping if k not in mismatched]
@@ -240,7 +251,7 @@ def _load_from_rank0(load: _Load) -> LoadResult:
     matched: list[Any] = [None]
     with fail_together(f"opening '{load.path}' on rank 0"):
         if rank == 0:
-            source = open_checkpoint(load.path, weights_only=load.weights_only)
+            source = load.open()
             matched = [load.match(source)]
     dist.broadcast_object_list(matched, src=0)
     match, mismatched = matched[0]

@@ -22,6 +22,7 @@ from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, apply_key_map
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.progress import Progress
 from fabric_hsdp.checkpoint.core.tree import tree_leaves, tree_nbytes
+from fabric_hsdp.checkpoint.formats.conversions import hub_layout_for_config
 from fabric_hsdp.checkpoint.formats.dcp_directory import storage_files
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import TensorInfo
@@ -218,7 +219,11 @@ def convert_checkpoint(
         renamed, dropped = apply_key_map(checkpoint.keys(), key_map)
         if dropped:
             _logger.info("key_map drops %d tensors, e.g. %r", len(dropped), dropped[0])
-        tensors = {new: _cast(lazy[old], cast_to) for new, old in renamed.items()}
+        # a transformers model whose checkpoints the hub holds in another layout (one tensor per expert): that one
+        config = (given_config or _found_config(source)) if hf_directory else None
+        hub = hub_layout_for_config(checkpoint, renamed, config)
+        tensors = {new: _cast(tensor, cast_to) for new, tensor in hub.items()} if hub else {}
+        tensors = tensors or {new: _cast(lazy[old], cast_to) for new, old in renamed.items()}
         extras = {} if model_only else checkpoint.extras(lazy=True)
         if extras and format == "safetensors":
             _logger.warning(

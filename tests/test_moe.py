@@ -1,0 +1,111 @@
+"""Training mixture-of-experts models under HSDP (#32 item 2): decoder layers as FSDP units (experts sharded by
+expert), the router and its load-balancing loss, parity with one process; tensor parallelism refused clearly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers import moe
+from tests.helpers.launch import launch
+from tests.scenarios.common import batch, full_state, make_fabric
+from tests.scenarios.parity import Trained, distance, sampler_rows
+from tests.test_strategy import within_noise
+
+pytestmark = pytest.mark.slow
+
+LEARNING_RATE = 1e-2
+MICRO_BATCH = 2
+
+
+def _one_process(kind: str, inputs: torch.Tensor, targets: torch.Tensor, steps: int, micro_batches: list) -> Trained:
+    """One process accumulating ``micro_batches`` (lists of rows): the mean of per-batch losses, as the ranks compute
+    it when each routes its own batch (the load-balancing loss of a batch is not a sum over its rows)."""
+    model = moe.build(kind, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for _ in range(steps):
+        step_loss = 0.0
+        for rows in micro_batches:
+            loss = moe.loss_of(model, inputs[rows], targets[rows]) / len(micro_batches)
+            loss.backward()
+            step_loss += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return Trained(losses, [], {name: t.detach().clone() for name, t in model.state_dict().items()})
+
+
+def train(num_nodes: int, devices: int, kind: str, steps: int = 3) -> dict[str, Any]:
+    """Train ``steps`` steps on HSDP with the strategy's default units; distances to one process and the floor."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fabric = make_fabric(num_nodes, devices)  # default sharded_modules: the layers of the outermost ModuleLists
+    model = fabric.setup_module(moe.build(kind, seed=0))
+    units = sorted({type(m).__name__.removeprefix("FSDP") for m in model.module.modules() if isinstance(m, FSDPModule)})
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    replicas = fabric.strategy.distributed_sampler_kwargs["num_replicas"]
+    inputs, targets = batch(MICRO_BATCH * replicas)
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(inputs, targets), batch_size=MICRO_BATCH))
+    losses, aux = [], []
+    for _ in range(steps):
+        (rows_in, rows_out), *rest = list(loader)
+        assert not rest
+        loss = moe.loss_of(model, rows_in, rows_out)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        if hasattr(model.config, "router_aux_loss_coef"):
+            with torch.no_grad():
+                aux.append(model(rows_in, output_router_logits=True).aux_loss.item())
+    state = full_state(model)
+    rows = [sampler_rows(len(inputs), replicas, rank) for rank in range(replicas)]
+    reference = _one_process(kind, inputs, targets, steps, rows)
+    reversed_order = _one_process(kind, inputs, targets, steps, rows[::-1])
+    return {
+        "ours": distance(Trained(losses, [], state), reference),
+        "floor": distance(reversed_order, reference),
+        "units": units,
+        "aux_losses": aux,
+        "expert_placements": sorted(
+            {str(p.placements) for n, p in model.named_parameters() if "experts" in n and hasattr(p, "placements")}
+        ),
+    }
+
+
+LAYERS = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "litgpt_moe": "Block"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", moe.KINDS)
+def test_three_steps_match_one_process_with_each_rank_routing_its_own_batch(kind):
+    values = launch("tests.test_moe:train", {"kind": kind}, timeout=240).check().values
+    for rank, facts in enumerate(values):
+        assert not within_noise(facts["ours"], facts["floor"]), (rank, facts["ours"], facts["floor"])
+        # each decoder layer is one unit with its experts inside (no expert a unit of its own), plus the
+        # embedding, the norm + head and the root
+        assert LAYERS[kind] in facts["units"] and "LLaMAMLP" not in facts["units"], facts["units"]
+        assert facts["expert_placements"] == ["(Replicate(), Shard(dim=0))"], facts
+        if kind != "litgpt_moe":  # the router's load-balancing loss is part of the loss trained
+            assert len(facts["aux_losses"]) == 3 and all(value > 0 for value in facts["aux_losses"]), facts
+
+
+def refuse_tensor_parallel(num_nodes: int, devices: int, kind: str) -> str:
+    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=2, sharded_modules={moe.layer_class(kind)})
+    try:
+        fabric.setup_module(moe.build(kind, seed=0))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_auto_plan_is_refused_saying_which_sizes_work():
+    values = launch("tests.test_moe:refuse_tensor_parallel", {"kind": "qwen3_moe"}, timeout=90).check().values
+    for message in values:
+        assert "no plan for mixture-of-experts layers (model.layers.0.mlp.experts: Qwen3MoeExperts with 4" in message
+        assert "tensor_parallel_size=1 works" in message, message
