@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -74,7 +74,8 @@ def validate_compile(spec: CompileSpec) -> CompileSpec:
 
 @dataclass
 class Levers:
-    """What the strategy's arguments ask of the setup: the FSDP units and options, and every lever."""
+    """What the strategy's arguments ask of the setup: the FSDP units and options, and every lever (read, never
+    written, by the setup)."""
 
     sharded_modules: Callable[[str, nn.Module], bool] | None = None  # None: the layers of the model's ModuleLists
     reshard_after_forward: bool | int | None = None
@@ -86,9 +87,6 @@ class Levers:
     float8: Float8Spec | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    largest_tensor_parallel_size: int | None = None  # the sizes tensor-parallel errors suggest divide it
-    compiled: list[str] = field(default_factory=list)  # filled in by the setup: the modules compiled
-    tensor_parallel: AppliedPlan | None = None  # filled in by the setup: what the tensor-parallel step did
 
 
 def levers_of(
@@ -108,7 +106,8 @@ def levers_of(
     """``HybridFSDPStrategy``'s setup arguments, validated (each error names the argument and what would do)."""
     from fabric_hsdp.tensor_parallel import validate_levers, validate_plan
 
-    levers = Levers(
+    validate_levers(sequence_parallel, loss_parallel, validate_tensor_parallel_size(tensor_parallel_size))
+    return Levers(
         sharded_modules=module_matcher(sharded_modules, "sharded_modules"),
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
@@ -117,10 +116,9 @@ def levers_of(
         activation_checkpointing_mode=validate_activation_checkpointing_mode(activation_checkpointing_mode),
         compile=validate_compile(compile),
         float8=validate_float8(float8),
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
     )
-    validate_levers(sequence_parallel, loss_parallel, validate_tensor_parallel_size(tensor_parallel_size))
-    levers.sequence_parallel, levers.loss_parallel = sequence_parallel, loss_parallel
-    return levers
 
 
 def set_up_module(
@@ -148,43 +146,47 @@ def set_up_module(
             offload_policy=offload_policy(levers.cpu_offload, device),
         )
         # the sizes tensor-parallel errors may suggest: those dividing a node and the shard group
-        levers.largest_tensor_parallel_size = math.gcd(topology.ranks_per_node, topology.shard_size)
-        parallelize(module, mesh, sharding, levers)  # float8 -> TP -> AC -> compile -> fully_shard
+        largest = math.gcd(topology.ranks_per_node, topology.shard_size)
+        applied = parallelize(module, mesh, sharding, levers, largest)  # float8 -> TP -> AC -> compile -> shard
     # Collectives from here on: only after every rank got this far (fail_together's exchange must come first).
     materialize_local_shards(module, device, topology.position_in_copy(global_rank))
     make_replicas_identical(module, mesh)
     if mesh.tensor is not None:
         from fabric_hsdp.tensor_parallel import finish_tensor_parallel
 
-        finish_tensor_parallel(module, levers.tensor_parallel, mesh.tensor, device)
+        finish_tensor_parallel(module, applied, mesh.tensor, device)
     return module
 
 
-def parallelize(module: nn.Module, mesh: ParallelMesh, settings: FSDPSettings, levers: Levers) -> list[str]:
-    """Apply every lever to ``module`` in place, then shard it; return the names of the FSDP units."""
+def parallelize(
+    module: nn.Module, mesh: ParallelMesh, settings: FSDPSettings, levers: Levers, largest_tensor_parallel_size: int
+) -> AppliedPlan | None:
+    """Apply every lever to ``module`` in place, then shard it; return what tensor parallelism did (``None``
+    without it). ``largest_tensor_parallel_size``: the sizes tensor-parallel errors suggest divide it."""
     from fabric_hsdp.tensor_parallel import apply_tensor_parallel
 
+    applied = None
     units = sharded_units(module, settings.sharded_modules)  # the transformer blocks, before anything wraps them
     if levers.float8 is not None:
         apply_float8(
             module, levers.float8, compiled=levers.compile is not False, tensor_parallel=mesh.tensor is not None
         )
     if mesh.tensor is not None:
-        levers.tensor_parallel = apply_tensor_parallel(
+        applied = apply_tensor_parallel(
             module,
             levers.tensor_parallel_plan,
             mesh.tensor,
             sequence_parallel=levers.sequence_parallel,
             loss_parallel=levers.loss_parallel,
-            largest_size=levers.largest_tensor_parallel_size,
+            largest_size=largest_tensor_parallel_size,
         )
         finish_collectives_before_units(module, units)
     if levers.activation_checkpointing is not None:
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:
-        levers.compiled = apply_compile(module, units, levers.compile, tensor_parallel=mesh.tensor is not None)
+        apply_compile(module, units, levers.compile, tensor_parallel=mesh.tensor is not None)
     apply_fsdp(module, units, mesh.fsdp, settings)
-    return [name for name, _ in units]
+    return applied
 
 
 def finish_collectives_before_units(module: nn.Module, units: list[tuple[str, nn.Module]]) -> list[str]:

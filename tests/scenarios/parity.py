@@ -123,8 +123,16 @@ def _train_sharded(
             model = fabric.setup_module(model)
             optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
     layers = [sub for sub in model.modules() if isinstance(sub, layer_class(kind))]
-    forwards = [0]
-    hooks = [layer.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1)) for layer in layers]
+    # calls of the layer class's own forward: the recompute runs it inside the checkpoint, not through the layer's
+    # hooks (as torchtitan's checkpoint_wrapper reruns the wrapped module's forward)
+    forwards, layer_forward = [0], layer_class(kind).forward
+
+    def counted_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forwards[0] += 1
+        return layer_forward(self, *args, **kwargs)
+
+    layer_class(kind).forward = counted_forward
+    hooks = []
     # in training: FSDP2 leaves a layer's parameters gathered after its forward with reshard_after_forward=False
     after_forward: list[bool] = []
 
@@ -165,6 +173,7 @@ def _train_sharded(
         losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
     for hook in hooks:
         hook.remove()
+    layer_class(kind).forward = layer_forward
     config = getattr(getattr(model, "module", model), "config", None)
     per_micro_batch = forwards[0] / (len(layers) * steps * accumulate)
     state = full_state(model)
