@@ -425,4 +425,65 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/checkpoint/test_save_load.py::test_resuming_another_models_checkpoint_names_both_sides",),
     ),
+    "34b": Plant(
+        "the planner keeps headroom for what it estimates (#34)",
+        "a row fits on its total with the activation estimate as is (70.7 of 72.0 GB on an estimate)",
+        (("        fits = with_headroom(memory).total <= usable\n", "        fits = memory.total <= usable\n"),),
+        ("tests/planning/test_expert.py::test_headroom_for_the_estimated_activations",),
+    ),
+    "34c": Plant(
+        "every layout runs one stated global batch (#34)",
+        "each row runs one micro-batch per data-parallel rank: TP rows run T times fewer tokens per step",
+        (
+            (
+                "training, layout, batch, usable, adapt)",
+                "training, layout, layout.data_parallel_size * training.workload.micro_batch_size, usable, adapt)",
+            ),
+        ),
+        (
+            "tests/planning/test_expert.py::test_every_row_runs_the_one_stated_global_batch",
+            "tests/planning/test_expert.py::test_tensor_parallelism_runs_the_same_tokens_per_step",
+            "tests/planning/test_expert.py::test_the_recommendation_is_the_experts",
+        ),
+    ),
+    "34d": Plant(
+        "every micro-batch gathers the model again (#34)",
+        "gradient accumulation's micro-batches are free: FSDP traffic counted once per optimizer step",
+        (("        SHARD_DIM: accumulation_steps\n", "        SHARD_DIM: 1\n"),),
+        ("tests/planning/test_expert.py",),
+    ),
+    "34e": Plant(
+        "the output says why the winner won (#34)",
+        "the recommended line names the winner's figure only, not what the other TP sizes cost",
+        (("    if alternatives:\n", "    if False:\n"),),
+        ("tests/planning/test_expert.py::test_the_output_says_why_the_winner_won",),
+    ),
+    "34f": Plant(
+        "memory freed by TP buys a larger micro-batch (#34)",
+        "every row runs micro-batches of 1 and accumulates the rest",
+        (
+            (
+                "    sizes = [size for size in range(sequences_per_rank, 0, -1) if sequences_per_rank % size == 0]\n",
+                "    sizes = [1]\n",
+            ),
+        ),
+        (
+            "tests/planning/test_expert.py::test_memory_freed_by_tensor_parallelism_buys_micro_batch_and_fewer_recomputes",
+            "tests/planning/test_expert.py::test_headroom_for_the_estimated_activations",
+        ),
+    ),
+    "34g": Plant(
+        "memory freed by TP buys fewer recomputes (#34)",
+        "activation checkpointing, once allowed, stays on in every row",
+        (
+            (
+                "    checkpointing = [replace(training, activation_checkpointing=False)]\n",
+                "    checkpointing = [] if training.activation_checkpointing else [training]\n",
+            ),
+        ),
+        (
+            "tests/planning/test_expert.py::test_memory_freed_by_tensor_parallelism_buys_micro_batch_and_fewer_recomputes",
+            "tests/planning/test_expert.py::test_the_recommendation_is_the_experts",
+        ),
+    ),
 }
