@@ -486,4 +486,13 @@ PLANTS: dict[str, Plant] = {
             "tests/planning/test_expert.py::test_the_recommendation_is_the_experts",
         ),
     ),
+    "34h": Plant(
+        "inspect shows small extras' values (#34)",
+        "an extra's type and size only: `step` shows no value",
+        (('    if small:\n        entry["value"] = value\n', '    if False:\n        entry["value"] = value\n'),),
+        (
+            "tests/test_cli.py::test_convert_and_inspect",
+            "tests/checkpoint/test_convert.py::test_inspect_reads_metadata_only",
+        ),
+    ),
 }
