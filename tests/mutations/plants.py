@@ -495,4 +495,21 @@ PLANTS: dict[str, Plant] = {
             "tests/checkpoint/test_convert.py::test_inspect_reads_metadata_only",
         ),
     ),
+    "34i": Plant(
+        "dryrun --max_steps 0 saves nothing unless asked (#34)",
+        "the dry run's own save after the limit runs with --max_steps 0 too (3.1 GiB at 70B for a set-up run)",
+        (("                save_after_stop = max_steps > 0\n", "                save_after_stop = True\n"),),
+        ("tests/test_dryrun.py::test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scratch",),
+    ),
+    "34j": Plant(
+        "the dry run compares the plan with the training step's forward (#34)",
+        "the first forward seen, a validation batch under no_grad, sets the planned workload",
+        (
+            (
+                "        training = torch.is_grad_enabled() and module.training\n",
+                "        training = True\n",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_the_plan_is_compared_with_the_training_forward_not_a_validation_one",),
+    ),
 }
