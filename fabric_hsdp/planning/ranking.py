@@ -120,7 +120,12 @@ def reason(plan: Plan, row: LayoutPlan) -> str:
     if plan.cluster.num_nodes == 1 and not timed:
         ranked = "nothing crosses nodes on one node: the least recompute, tensor parallelism and shard group"
     else:
-        ranked += f" (within {_window(timed):.0%}, then the least recompute, tensor parallelism and shard group)"
+        then = (
+            "the least recompute, tensor parallelism and shard group"
+            if timed
+            else ("the least recompute and tensor parallelism, the fewest bytes, the smallest shard group")
+        )
+        ranked += f" (within {_window(timed):.0%}, then {then})"
     why = f"{layout_summary(row.layout)}, {describe_step(row.training, row.step)}, {fits} and has {ranked}"
     if not (plan.cluster.num_nodes == 1 and not timed):
         why += f": {_figure(row, timed)}"
