@@ -106,7 +106,10 @@ def _print_inspection(info: dict[str, Any]) -> None:
     if info["tensors"] > len(info["first_keys"]):
         print(f"    ... {info['tensors'] - len(info['first_keys'])} more")
     for key, extra in info["extras"].items():
-        print(f"  extra {key!r}: {extra['tensors']} tensors, {format_bytes(extra['bytes'])}")
+        if "value" in extra:
+            print(f"  extra {key!r}: {extra['value']!r} ({extra['type']})")
+        else:
+            print(f"  extra {key!r}: {extra['type']}, {extra['tensors']} tensors, {format_bytes(extra['bytes'])}")
     if info["format"] == "dcp" and info["model_key"]:
         key = info["model_key"]
         print(

@@ -42,7 +42,7 @@ def test_convert_and_inspect(tmp_path, checkpoint, capsys, dtype):
     code, out, _ = run(capsys, "inspect", tmp_path / "out", "--json")
     info = json.loads(out)
     assert (code, info["format"], info["tensors"], info["dtypes"]) == (0, "dcp", 2, {"bfloat16": 2})
-    assert info["extras"] == {"step": {"tensors": 0, "bytes": 0}}
+    assert info["extras"] == {"step": {"tensors": 0, "bytes": 0, "type": "int", "value": 5}}
     code, out, _ = run(capsys, "inspect", checkpoint)
     assert code == 0
     assert out.splitlines()[:3] == [
@@ -50,6 +50,16 @@ def test_convert_and_inspect(tmp_path, checkpoint, capsys, dtype):
         "  tensors: 2  parameters: 15  size: 60 B",
         "  dtypes: float32 x2",
     ]
+    assert "  extra 'step': 5 (int)" in out.splitlines()  # issue #34: the value, not only its type
+
+
+def test_inspect_shows_small_extras_whole_and_large_ones_by_size(tmp_path, capsys):
+    state = {"model": {"w": torch.ones(2)}, "seed": "x" * 81, "optimizer": {"state": {0: {"m": torch.ones(4)}}}}
+    torch.save(state, tmp_path / "in.ckpt")
+    code, out, _ = run(capsys, "inspect", tmp_path / "in.ckpt")
+    assert code == 0
+    assert "  extra 'seed': str, 0 tensors, 0 B" in out.splitlines()  # a long string is not printed whole
+    assert "  extra 'optimizer': dict, 1 tensors, 16 B" in out.splitlines()
 
 
 def test_config_file(tmp_path, checkpoint, capsys):

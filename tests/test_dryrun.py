@@ -75,11 +75,23 @@ def test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scra
     assert not Path("never").exists()  # nothing committed at the script's path
     assert any("no GPU" in note for note in report.notes)
     assert NOT_MEANINGFUL in report.text()
-    # --max_steps 0: set-up and the load, then the script stops at its first forward (no step, nothing compared)
+    # --max_steps 0: set-up and the load, then the script stops at its first forward (no step, nothing compared);
+    # no save unless asked (#34: at 70B the dry run's own save wrote 3.1 GiB for a run that only set up)
     report = dry_run(SCRIPT, args, num_nodes=2, devices_per_node=4, rank=5, max_steps=0, scratch=tmp_path / "s0")
     assert report.steps == 0 and Path(str(facts) + ".steps").read_text() == "1\n"  # no step logged this time
-    assert set(report.phases) == {"setup", "load", "save"} and report.ratio is None
+    assert set(report.phases) == {"setup", "load"} and report.ratio is None and report.saves == []
     assert report.checkpoint_read == 4 * expected and report.planned.parameters == 4 * expected
+    report = dry_run(
+        SCRIPT,
+        args,
+        num_nodes=2,
+        devices_per_node=4,
+        rank=5,
+        max_steps=0,
+        scratch=tmp_path / "s1",
+        save_after_stop=True,
+    )
+    assert set(report.phases) == {"setup", "load", "save"} and report.saves[0]["by_dry_run"]
 
 
 @pytest.mark.timeout(600)
@@ -99,6 +111,20 @@ def test_rank_77_of_16x8_with_tensor_parallelism_and_the_scripts_own_save(tmp_pa
     assert any("ended after 1 optimizer step" in note for note in report.notes)
     assert any("before the optimizer allocated its state" in note for note in report.notes)  # 1 step of AdamW
     assert report.planned.workload == "2 x 16 tokens, adamw, activation checkpointing (selective), sequence parallel"
+
+
+@pytest.mark.timeout(600)
+def test_the_plan_is_compared_with_the_training_forward_not_a_validation_one(tmp_path):
+    """#34: the fine-tune example validates (1 x 64, no grad) before it trains (4 x 64); the plan is for training."""
+    facts = tmp_path / "facts.json"
+    args = [str(facts), "--steps", "1", "--validate_first"]
+    report = dry_run(SCRIPT, args, num_nodes=2, devices_per_node=4, rank=0, max_steps=1, scratch=tmp_path / "s")
+    assert report.planned.workload.startswith("2 x 16 tokens")
+    assert not any("no training forward seen" in note for note in report.notes)
+    # stopped at the validation forward, the only one seen: its shape, and the report says so
+    report = dry_run(SCRIPT, args, num_nodes=2, devices_per_node=4, rank=0, max_steps=0, scratch=tmp_path / "s0")
+    assert report.planned.workload.startswith("1 x 8 tokens")
+    assert any("no training forward seen" in note for note in report.notes)
 
 
 def test_object_collectives_answer_this_ranks_value_under_the_fake_backend():

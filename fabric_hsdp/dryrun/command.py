@@ -18,7 +18,9 @@ DRYRUN_HELP = """Run a Fabric script as one rank of a cluster, in this process, 
 torchrun's variables are set for --rank of --num_nodes x --devices_per_node and the process group is torch's fake
 one: every collective returns at once without data, while shapes, placements, allocations and checkpoint reads are
 real. Every rank's device is this machine's (cuda:0, or the CPU where there is no GPU). The script stops after
---max_steps optimizer steps; a sharded save writes this rank's files to a scratch directory and commits nothing.
+--max_steps optimizer steps; a sharded save writes this rank's files to a scratch directory and commits nothing
+(when the script has not saved by then, the dry run saves once for it: --no-save_after_stop skips that, and with
+--max_steps 0 it is skipped unless --save_after_stop).
 The report: the mesh and this rank's coordinates, peak memory per phase, bytes read and written, the planner's
 prediction beside the measured peak. Collectives carry no data: losses are not meaningful.
 """
@@ -40,6 +42,13 @@ def dryrun_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="stop after this many optimizer steps (default 1; 0: at the first forward, after set-up and loads)",
+    )
+    parser.add_argument(
+        "--save_after_stop",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="when the script has not saved by the step limit, save this rank's share into scratch as its save would"
+        " (GBs at 70B; default: on with --max_steps >= 1, off with 0)",
     )
     parser.add_argument("--scratch", type=str, default=None, help="where saves go (default: a temporary directory)")
     parser.add_argument("--keep_files", action="store_true", help="keep the scratch directory's files")
@@ -71,6 +80,7 @@ def run_dryrun(args: argparse.Namespace) -> None:
         max_steps=args.max_steps,
         scratch=args.scratch,
         keep_files=args.keep_files,
+        save_after_stop=args.save_after_stop,
     )
     document = json.dumps(report.as_dict(), indent=2)
     if args.json_file:
@@ -123,6 +133,8 @@ def _run_rank_process(args: argparse.Namespace, rank: int, report_file: Path) ->
     command = [sys.executable, "-m", "fabric_hsdp", "dryrun", "--json_file", str(report_file), "--rank", str(rank)]
     command += ["--num_nodes", str(args.num_nodes), "--devices_per_node", str(args.devices_per_node)]
     command += ["--max_steps", str(args.max_steps)]
+    if args.save_after_stop is not None:
+        command.append("--save_after_stop" if args.save_after_stop else "--no-save_after_stop")
     if args.scratch:
         command += ["--scratch", str(Path(args.scratch) / f"rank{rank}")]
     command += [args.script, *args.script_args]

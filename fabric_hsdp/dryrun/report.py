@@ -189,8 +189,13 @@ def _planned(session: Any, notes: list[str]) -> PlannedMemory | None:
 
     strategy = session.strategy
     topology = strategy.topology
-    batch, seq_len = session.tokens_shape or (1, 2048)
-    if session.tokens_shape is None:
+    batch, seq_len = session.tokens_shape or session.no_grad_tokens_shape or (1, 2048)
+    if session.tokens_shape is None and session.no_grad_tokens_shape is not None:
+        notes.append(
+            f"no training forward seen: the planner's activations are for the first forward's {batch} x {seq_len}"
+            " tokens (without gradients, e.g. a validation batch)"
+        )
+    elif session.tokens_shape is None:
         notes.append("no forward seen: the planner's activations are for 1 x 2048 tokens")
     workload = Workload(int(batch), int(seq_len), _optimizer_kind(session.optimizers))
     training = strategy.planner_training(workload)

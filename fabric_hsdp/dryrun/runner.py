@@ -34,9 +34,14 @@ def dry_run(
     max_steps: int = 1,
     scratch: str | Path | None = None,
     keep_files: bool = False,
+    save_after_stop: bool | None = None,
 ) -> DryRunReport:
     """Run ``script`` with ``script_args`` as rank ``rank`` of ``num_nodes`` x ``devices_per_node``, stopping after
     ``max_steps`` optimizer steps (0: at the model's first forward, after set-up and loads); return the report.
+
+    When the script did not save before the limit, ``save_after_stop`` saves this rank's share of the model and
+    optimizer into scratch, as its save would (a 70B's share is GBs): default on after at least one step, off with
+    ``max_steps=0`` (set-up and loads only).
 
     The script runs unchanged as ``__main__`` with torchrun's variables for that rank and torch's fake process group:
     every collective returns at once without data, while shapes, placements, allocations and file reads are real.
@@ -70,7 +75,9 @@ def dry_run(
                 raise ScriptFailedError(f"{script.name}: {type(error).__name__}: {error}") from error
             if session.strategy is None:
                 raise ValueError(_never_launched(script, session))
-            if session.steps >= max_steps:
+            if save_after_stop is None:
+                save_after_stop = max_steps > 0
+            if save_after_stop and session.steps >= max_steps:
                 session.save_after_stop()
             report = build_report(session)
             _teardown(session)

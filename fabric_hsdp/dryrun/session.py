@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from fabric_hsdp.dryrun.world import DryRunWorld
 class StepLimitReached(BaseException):  # noqa: N818 - not an error: the run is over (a BaseException, so a
     """Raised after the last optimizer step of a dry run to leave the user's loop (``except Exception`` in the
     script does not catch it)."""
+
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,7 +56,8 @@ class DryRunSession:
     model: Any = None
     model_shape: Any = None
     optimizers: list[Any] = field(default_factory=list)
-    tokens_shape: tuple[int, ...] | None = None
+    tokens_shape: tuple[int, ...] | None = None  # the first training forward's (grad enabled, module in train mode)
+    no_grad_tokens_shape: tuple[int, ...] | None = None  # the first other forward's (validation), a fallback
     steps: int = 0
     saves: list[SaveRecord] = field(default_factory=list)
     meter: Meter | None = None
@@ -158,10 +163,15 @@ class DryRunSession:
         return original(strategy, optimizer)
 
     def _record_tokens(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if self.tokens_shape is None:
+        # the plan is for a training step: a validation forward first (no grad, often another batch) is a fallback
+        training = torch.is_grad_enabled() and module.training
+        if (self.tokens_shape if training else self.no_grad_tokens_shape) is None:
             first = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)), None)
             if first is not None and first.dim() >= 2:
-                self.tokens_shape = tuple(first.shape[:2])
+                if training:
+                    self.tokens_shape = tuple(first.shape[:2])
+                else:
+                    self.no_grad_tokens_shape = tuple(first.shape[:2])
         if self.max_steps == 0:  # set-up and loads only: stop before the first forward computes anything
             self.meter.end("setup")  # what ran since the last phase (e.g. the optimizer's set-up) is set-up
             raise StepLimitReached
@@ -208,6 +218,11 @@ class DryRunSession:
         """The script's own save came after the step limit: save what it set up, as a save at that point would."""
         if self.strategy is None or self.model is None or self.saves:
             return
+        _logger.warning(
+            "dryrun: saving this rank's share of the model and optimizer into %s after the step limit, as the"
+            " script's save would (pass --no-save_after_stop to skip it)",
+            self.scratch,
+        )
         from fabric_hsdp.dryrun.save import save_this_rank
 
         state: dict[str, Any] = {"model": self.model}

@@ -14,7 +14,8 @@ def verify_plan(args: Any, plan: Any) -> tuple[str, Any]:
     """Dry-run rank 0 (it holds the largest shards) of the plan's recommended layout for one optimizer step.
 
     ``args`` are ``fabric-hsdp plan``'s; the model is built from ``args.model``'s config on the meta device and runs
-    ``args.micro_batch_size`` x ``args.seq_len`` tokens. Returns the text to print and the dry run's report.
+    the recommended row's micro-batch x ``args.seq_len`` tokens, with its checkpointing. Returns the text to print
+    and the dry run's report.
 
     Raises:
         ValueError: Nothing to verify (no layout fits), or options the dry run cannot reproduce.
@@ -26,13 +27,13 @@ def verify_plan(args: Any, plan: Any) -> tuple[str, Any]:
         raise ValueError("--verify: no layout fits, so there is none to dry-run")
     if args.cpu_offload or getattr(args, "sequence_parallel", False) or getattr(args, "loss_parallel", False):
         raise ValueError("--verify dry-runs plain layouts: drop --cpu_offload, --sequence_parallel, --loss_parallel")
-    layout = row.layout
+    layout, micro_batch = row.layout, row.training.workload.micro_batch_size
     script_args = ["--model", str(args.model), "--shard_size", str(layout.shard_size)]
     script_args += ["--tp", str(layout.tensor_parallel_size), "--precision", plan.training.precision]
-    script_args += ["--batch_size", str(args.micro_batch_size), "--seq_len", str(args.seq_len)]
+    script_args += ["--batch_size", str(micro_batch), "--seq_len", str(args.seq_len)]
     script_args += ["--optimizer", args.optimizer, "--num_nodes", str(args.num_nodes)]
     script_args += ["--devices", str(args.devices_per_node), "--steps", "1"]
-    if args.activation_checkpointing:
+    if row.recomputes:
         script_args.append("--activation_checkpointing")
     report = dry_run(
         TRAIN_SCRIPT, script_args, num_nodes=args.num_nodes, devices_per_node=args.devices_per_node, rank=0
@@ -44,7 +45,7 @@ def verify_plan(args: Any, plan: Any) -> tuple[str, Any]:
     lines = [
         f"verify: dry run of rank 0 of {args.num_nodes} x {args.devices_per_node}, shard_size {layout.shard_size},"
         f" tensor_parallel_size {layout.tensor_parallel_size}, mesh {report.mesh_shape}, one step of"
-        f" {args.micro_batch_size} x {args.seq_len} tokens:",
+        f" {micro_batch} x {args.seq_len} tokens:",
         f"  parameters per device: planned {size(row.memory.parameters)}, measured"
         f" {size(report.local_parameter_bytes)}",
         f"  peak of a step: planned {size(planned)}, measured {size(measured)} ({where}): {measured / planned:.2f}x",

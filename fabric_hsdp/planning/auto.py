@@ -193,14 +193,16 @@ def auto_topology(
     The tensor-parallel size is the strategy's (the plan varies ``shard_size`` only); the split dims come from its
     ``tensor_parallel_plan``. ``training`` is the strategy's (:func:`planner_training`): the levers (AC mode,
     sequence and loss parallel) change the activation estimate as ``fabric-hsdp plan``'s options do. The ranking is
-    the plan's (per token; with the TP size fixed, the tokens per step are the same for every row). No collectives.
+    the plan's, at the strategy's micro-batch and checkpointing (``adapt=False``: the script's batch is what it is).
+    No collectives.
 
     Raises:
         NoLayoutFitsError: Nothing fits the budget; the message gives the smallest total and what would fit.
     """
     cluster = Cluster(num_nodes, ranks_per_node, budget, backend="gloo" if backend == "gloo" else "nccl")
     model = model_shape_of_module(module, tensor_parallel_plan=tensor_parallel_plan)
-    plan = make_plan(model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size])
+    # the script's micro-batch and checkpointing are fixed: the rows differ only in shard_size (adapt=False)
+    plan = make_plan(model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size], adapt=False)
     shard_size = recommended_layout(plan, tensor_parallel_size).layout.shard_size
     # the plan only holds layouts Topology.resolve accepted; resolving again keeps one source of truth
     world = num_nodes * ranks_per_node

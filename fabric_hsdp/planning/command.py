@@ -10,7 +10,9 @@ from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN
 from fabric_hsdp.precision import PRECISION_DTYPES
 
 PLAN_HELP = """Which shard_size (and tensor_parallel_size) fits a model in device memory with the least traffic
-between nodes per token (with bandwidths: the shortest estimated step time per token, compute included).
+between nodes per step (with bandwidths: the shortest estimated step time, compute included), every layout at one
+global batch (--global_batch_size, else the devices x --micro_batch_size, stated in the output). Each layout runs it
+with the largest micro-batch that fits, and without activation checkpointing where it fits without.
 
 MODEL: a transformers config.json or its directory, a litgpt model_config.yaml or config name (e.g. Llama-2-7b-hf),
 or any checkpoint fabric-hsdp can open (shapes from its header; no tensor data is read). One row per layout the
@@ -37,9 +39,19 @@ def plan_parser() -> Any:
     )
     parser.add_argument("--precision", type=str, default="bf16-mixed", choices=list(PRECISION_DTYPES))
     parser.add_argument("--optimizer", type=str, default="adamw", choices=list(OPTIMIZERS), help="sgd = with momentum")
-    parser.add_argument("--micro_batch_size", type=int, default=1, help="sequences per device per forward")
+    parser.add_argument(
+        "--micro_batch_size", type=int, default=1, help="sequences per forward; sets the default global batch"
+    )
+    parser.add_argument(
+        "--global_batch_size",
+        type=int | None,
+        default=None,
+        help="sequences per optimizer step, every layout (default: devices / smallest TP x micro_batch_size)",
+    )
     parser.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument("--activation_checkpointing", type=bool, default=False, help="recompute each layer in backward")
+    parser.add_argument(
+        "--activation_checkpointing", type=bool, default=False, help="allow recompute (used where needed to fit)"
+    )
     parser.add_argument(
         "--activation_checkpointing_mode", type=str, default="full", help="full, selective, none or k (every k-th)"
     )
@@ -102,7 +114,8 @@ def run_plan(args: Any) -> None:
         loss_parallel=args.loss_parallel,
     )
     sizes = None if args.tensor_parallel_size is None else [args.tensor_parallel_size]
-    plan = make_plan(load_model_shape(args.model), cluster, training, args.safety_margin, sizes)
+    model = load_model_shape(args.model)
+    plan = make_plan(model, cluster, training, args.safety_margin, sizes, args.global_batch_size)
     error = no_fit_error(plan, args.tensor_parallel_size) if plan.recommended is None else None
     verify = args.verify and error is None  # the dry run's own module builds and runs it (fabric_hsdp/dryrun/verify.py)
     if args.json:

@@ -1,14 +1,22 @@
 """The plan: every valid layout with its memory and traffic, the recommended one, and what to change when none fits.
 
-The recommendation (and ``HybridFSDPStrategy(shard_size="auto")``, which uses the same function), among the layouts
-whose total fits in the device memory less the safety margin, compares them **per token**: a layout with TP degree
-``T`` processes ``T`` times fewer tokens per step than one without (see :mod:`~fabric_hsdp.planning.throughput`).
+Every layout is compared at **one global batch** (the user's ``global_batch_size``, else the planner's stated
+default; see :mod:`~fabric_hsdp.planning.step`), so every row processes the same tokens per optimizer step. Each row
+runs it with the largest micro-batch that fits and without activation checkpointing where it fits without (the memory
+TP frees buys those), fewer micro-batches meaning fewer FSDP gathers per step. A row fits when its total, with the
+activation estimate counted 25 % over, is within the device memory less the safety margin.
 
-* Without bandwidths: the fewest bytes between nodes per token (within 2 %); among those near-ties the smallest
-  tensor-parallel size (TP adds collectives to the critical path of every layer), then the smallest shard group. On
-  one node nothing crosses nodes, so the smallest tensor-parallel size and shard group that fit win.
-* With a bandwidth: the shortest estimated step time per token, compute included (within 2 %), then the same
-  tie-breaks.
+The recommendation (and ``HybridFSDPStrategy(shard_size="auto")``, which uses the same function) among the rows that
+fit:
+
+* Without bandwidths: the fewest bytes between nodes per step (within 10 %: bytes cannot see what recompute and TP
+  cost in time); among those near-ties the one without recompute, then the smallest tensor-parallel size (TP adds
+  collectives to the critical path of every layer), then the fewest bytes, then the smallest shard group. On one
+  node nothing crosses nodes, so the tie-breaks decide.
+* With a bandwidth: the shortest estimated step time, compute included (within 2 %), then the same tie-breaks.
+
+The ranking and the ``recommended:`` line (why the winner won: its figure, and the best layout of every other
+tensor-parallel size with its figure and what costs it) are :mod:`~fabric_hsdp.planning.ranking`'s.
 """
 
 from __future__ import annotations
@@ -20,13 +28,21 @@ from fabric_hsdp.errors import NoLayoutFitsError
 from fabric_hsdp.planning.layout import candidate_layouts, layout_summary
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
+from fabric_hsdp.planning.ranking import near_ties, reason, recommend
+from fabric_hsdp.planning.step import (
+    ACTIVATION_HEADROOM,
+    StepShape,
+    batch_problem,
+    default_global_batch,
+    step_options,
+    with_headroom,
+)
 from fabric_hsdp.planning.throughput import DEFAULT_COMPUTE_EFFICIENCY, Throughput, parse_flops, throughput
 from fabric_hsdp.planning.traffic import Traffic, traffic_per_step
 from fabric_hsdp.topology import Topology
-from fabric_hsdp.units import format_bytes, format_seconds, parse_bandwidth, parse_bytes
+from fabric_hsdp.units import format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_SAFETY_MARGIN = 0.1
-_SAME_TRAFFIC = 0.02
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,7 @@ class Cluster:
 
 @dataclass(frozen=True)
 class LayoutPlan:
-    """One row of the plan."""
+    """One row of the plan: a layout, the step it runs the global batch with, and its memory and traffic per step."""
 
     layout: Topology
     memory: Memory
@@ -82,10 +98,21 @@ class LayoutPlan:
     intra_node_seconds: float | None
     recommended: bool = False
     throughput: Throughput | None = None
+    training: Training | None = None  # the micro-batch and checkpointing this row runs
+    step: StepShape | None = None
 
     @property
     def data_parallel_size(self) -> int:
         return self.layout.data_parallel_size
+
+    @property
+    def recomputes(self) -> bool:
+        return self.training is not None and self.training.checkpointing != "none"
+
+    @property
+    def total_with_headroom(self) -> int:
+        """The total that must fit: the activation estimate counted :data:`ACTIVATION_HEADROOM` over."""
+        return with_headroom(self.memory).total
 
 
 @dataclass(frozen=True)
@@ -100,10 +127,18 @@ class Plan:
     skipped: list[tuple[Topology, str]] = field(default_factory=list)
     recommended: LayoutPlan | None = None
     reason: str = ""
+    global_batch_size: int = 0  # sequences per optimizer step, every row
+    global_batch_given: bool = False  # the user's; else the planner's default
+    adapt: bool = True  # rows choose their micro-batch and checkpointing
+    tensor_parallel_sizes: list[int] | None = None
 
     @property
     def usable_memory(self) -> int:
         return int(self.cluster.device_memory * (1 - self.safety_margin))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.training.workload.seq_len
 
 
 def make_plan(
@@ -112,48 +147,111 @@ def make_plan(
     training: Training,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     tensor_parallel_sizes: list[int] | None = None,
+    global_batch_size: int | None = None,
+    adapt: bool = True,
 ) -> Plan:
-    """Plan every layout the topology accepts (and the model can be split into) and recommend one.
+    """Plan every layout the topology accepts (and the model can be split into) at one global batch; recommend one.
 
     Args:
         model: The model's shapes (``fabric_hsdp.planning.load_model_shape`` or ``model_shape_of_module``).
         cluster: Nodes, devices, memory and bandwidths.
-        training: Precision, workload, activation checkpointing, offload.
+        training: Precision, workload, activation checkpointing, offload. With ``adapt``, the micro-batch sets the
+            default global batch and the checkpointing is the most a row may use.
         safety_margin: Fraction of the device memory kept free (allocator fragmentation, CUDA context, buffers).
         tensor_parallel_sizes: Only these TP sizes (default: every divisor of the devices per node).
+        global_batch_size: Sequences per optimizer step for every row (default: the world size over the smallest TP
+            size, times the micro-batch; the table states it).
+        adapt: Each row picks its micro-batch and checkpointing (see :mod:`~fabric_hsdp.planning.step`); False keeps
+            ``training``'s (what ``shard_size="auto"`` does: the script's batch is fixed).
     """
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin={safety_margin!r} must be in [0, 1).")
+    per_node = cluster.devices_per_node
+    sizes = tensor_parallel_sizes or [size for size in range(1, per_node + 1) if per_node % size == 0]
+    world = cluster.num_nodes * per_node
+    given = global_batch_size is not None
+    if given and (
+        isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+    ):
+        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive number of sequences.")
+    batch = global_batch_size if given else default_global_batch(world, sizes, training.workload.micro_batch_size)
     usable = cluster.device_memory * (1 - safety_margin)
     rows, skipped = [], []
-    for layout in candidate_layouts(cluster.num_nodes, cluster.devices_per_node, tensor_parallel_sizes):
+    for layout in candidate_layouts(cluster.num_nodes, per_node, tensor_parallel_sizes):
         problem = model.tensor_parallel_problem(layout.tensor_parallel_size)
-        if problem is not None:
+        problem = problem or batch_problem(batch, layout.data_parallel_size)
+        row = None if problem else _plan_layout(model, cluster, training, layout, batch, usable, adapt)
+        if row is None:
+            problem = problem or (
+                f"micro-batch {training.workload.micro_batch_size} does not divide its"
+                f" {batch // layout.data_parallel_size} sequences per data-parallel rank"
+            )
             skipped.append((layout, problem))
             continue
-        memory = memory_per_device(model, training, layout.fsdp_size, layout.tensor_parallel_size)
-        traffic = traffic_per_step(model, training, layout, cluster.backend)
-        inter_seconds = _seconds(traffic.inter_node_bytes, cluster.inter_node_bandwidth)
-        intra_seconds = _seconds(traffic.intra_node_bytes, cluster.intra_node_bandwidth)
-        rates = throughput(
-            model,
-            training,
-            layout,
-            traffic,
-            cluster.inter_node_bandwidth,
-            cluster.intra_node_bandwidth,
-            cluster.device_flops,
-            cluster.compute_efficiency,
-        )
-        fits = memory.total <= usable
-        rows.append(LayoutPlan(layout, memory, traffic, fits, inter_seconds, intra_seconds, throughput=rates))
-    plan = Plan(model, cluster, training, safety_margin, rows, skipped)
-    best = _recommend(rows, cluster.timed)
+        rows.append(row)
+    plan = Plan(model, cluster, training, safety_margin, rows, skipped, None, "", batch, given, adapt, sizes)
+    best = recommend(rows, cluster.timed)
     if best is None:
         return plan
     rows = [replace(row, recommended=row is best) for row in rows]
     chosen = next(row for row in rows if row.recommended)
-    return replace(plan, rows=rows, recommended=chosen, reason=_reason(plan, chosen))
+    return replace(plan, rows=rows, recommended=chosen, reason=reason(replace(plan, rows=rows), chosen))
+
+
+def _plan_layout(
+    model: ModelShape, cluster: Cluster, training: Training, layout: Topology, batch: int, usable: float, adapt: bool
+) -> LayoutPlan | None:
+    """The row of ``layout``: among its step options that fit, the cheapest (a near-tie: without recompute); when
+    none fits, the option with the least memory. None when it has no option (a fixed micro-batch that does not
+    divide its sequences)."""
+    data_parallel = layout.data_parallel_size
+    options = step_options(training, batch // data_parallel, adapt)
+    if not options:
+        return None
+    candidates, seen_modes, last = [], set(), None
+    for chosen, accumulation in options:
+        if chosen.checkpointing in seen_modes:
+            continue  # a larger micro-batch of this mode fits already: fewer gathers per step
+        memory = memory_per_device(model, chosen, layout.fsdp_size, layout.tensor_parallel_size)
+        fits = with_headroom(memory).total <= usable
+        last = (chosen, accumulation, memory)
+        if fits:
+            seen_modes.add(chosen.checkpointing)
+            candidates.append(_row(model, cluster, chosen, layout, batch, accumulation, memory, True))
+    if not candidates:
+        chosen, accumulation, memory = last
+        return _row(model, cluster, chosen, layout, batch, accumulation, memory, False)
+    return min(near_ties(candidates, cluster.timed), key=lambda row: row.recomputes)
+
+
+def _row(
+    model: ModelShape,
+    cluster: Cluster,
+    training: Training,
+    layout: Topology,
+    batch: int,
+    accumulation: int,
+    memory: Memory,
+    fits: bool,
+) -> LayoutPlan:
+    traffic = traffic_per_step(model, training, layout, cluster.backend, accumulation)
+    rates = throughput(
+        model,
+        training,
+        layout,
+        traffic,
+        cluster.inter_node_bandwidth,
+        cluster.intra_node_bandwidth,
+        cluster.device_flops,
+        cluster.compute_efficiency,
+        accumulation,
+    )
+    step = StepShape(batch, layout.data_parallel_size, training.workload.micro_batch_size, accumulation)
+    inter_seconds = _seconds(traffic.inter_node_bytes, cluster.inter_node_bandwidth)
+    intra_seconds = _seconds(traffic.intra_node_bytes, cluster.intra_node_bandwidth)
+    return LayoutPlan(
+        layout, memory, traffic, fits, inter_seconds, intra_seconds, throughput=rates, training=training, step=step
+    )
 
 
 def choose_layout(
@@ -187,13 +285,13 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
     if not plan.rows:
         reasons = "; ".join(f"{layout_summary(layout)}: {why}" for layout, why in plan.skipped) or "none"
         return NoLayoutFitsError(f"no layout of {plan.model.description} is valid here ({reasons}).", plan, [])
-    smallest = min(plan.rows, key=lambda row: row.memory.total)
+    smallest = min(plan.rows, key=lambda row: row.total_with_headroom)
     options = _more_nodes(plan, sizes)
     fitting_changes: list[frozenset[str]] = []
     for labels, changed in _changes(training):
         if any(smaller <= labels for smaller in fitting_changes):
             continue  # a part of this combination fits already
-        fitting = make_plan(plan.model, cluster, changed, plan.safety_margin, sizes).recommended
+        fitting = _replan(plan, sizes, training=changed).recommended
         if fitting is not None:
             fitting_changes.append(labels)
             options.append(f"{' + '.join(sorted(labels))} ({_fit_summary(fitting)})")
@@ -204,7 +302,8 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
         f" {training.workload.optimizer}: the smallest total is {format_bytes(memory.total)} per device with"
         f" {layout_summary(smallest.layout)} (parameters {format_bytes(memory.parameters)}, gradients"
         f" {format_bytes(memory.gradients)}, optimizer {format_bytes(memory.optimizer)}, gathered"
-        f" {format_bytes(memory.gathered)}, activations ~{format_bytes(memory.activations)})."
+        f" {format_bytes(memory.gathered)}, activations ~{format_bytes(memory.activations)}; with the estimated"
+        f" activations counted {ACTIVATION_HEADROOM:.0%} over, {format_bytes(smallest.total_with_headroom)})."
     )
     if options:
         message += " These would fit: " + "; ".join(options) + "."
@@ -214,6 +313,13 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
             " micro-batch or the sequence length."
         )
     return NoLayoutFitsError(message, plan, options)
+
+
+def _replan(plan: Plan, sizes: list[int] | None, **changes: Cluster | Training) -> Plan:
+    """``plan`` again with another cluster or training: the same global batch when the user gave it."""
+    batch = plan.global_batch_size if plan.global_batch_given else None
+    cluster, training = changes.get("cluster", plan.cluster), changes.get("training", plan.training)
+    return make_plan(plan.model, cluster, training, plan.safety_margin, sizes, batch, plan.adapt)
 
 
 def _changes(training: Training) -> list[tuple[frozenset[str], Training]]:
@@ -239,9 +345,7 @@ def _more_nodes(plan: Plan, sizes: list[int] | None) -> list[str]:
     counts = list(range(start + 1, start + 17))
     counts += [start * 2**power for power in range(1, 7) if start * 2**power > start + 16]
     for nodes in counts:
-        fitting = make_plan(
-            plan.model, replace(plan.cluster, num_nodes=nodes), plan.training, plan.safety_margin, sizes
-        )
+        fitting = _replan(plan, sizes, cluster=replace(plan.cluster, num_nodes=nodes))
         if fitting.recommended is not None:
             return [f"{nodes} nodes ({_fit_summary(fitting.recommended)})"]
     return []
@@ -250,56 +354,6 @@ def _more_nodes(plan: Plan, sizes: list[int] | None) -> list[str]:
 def _fit_summary(row: LayoutPlan) -> str:
     host = f", {format_bytes(row.memory.host)} CPU memory per device" if row.memory.host else ""
     return f"{layout_summary(row.layout)}: {format_bytes(row.memory.total)} per device{host}"
-
-
-def ranking_cost(row: LayoutPlan, timed: bool) -> float:
-    """What the recommendation minimises: seconds per token with bandwidths, else inter-node bytes per token."""
-    rates = row.throughput
-    if rates is None:  # a row built by hand: rank it last
-        return float("inf")
-    if timed:
-        return rates.seconds_per_token or 0.0
-    return rates.inter_node_bytes_per_token
-
-
-def _recommend(rows: list[LayoutPlan], timed: bool = False) -> LayoutPlan | None:
-    fitting = [row for row in rows if row.fits]
-    if not fitting:
-        return None
-    best = min(ranking_cost(row, timed) for row in fitting)
-    near = [row for row in fitting if ranking_cost(row, timed) <= best * (1 + _SAME_TRAFFIC)]
-    return min(near, key=lambda row: (row.layout.tensor_parallel_size, row.layout.shard_size))
-
-
-def _reason(plan: Plan, row: LayoutPlan) -> str:
-    layout, memory, rates = row.layout, row.memory, row.throughput
-    timed = plan.cluster.timed
-    fits = f"fits ({format_bytes(memory.total)} of {format_bytes(plan.usable_memory)} usable per device)"
-    if layout.num_nodes == 1 and not timed:
-        why = "nothing crosses nodes on one node, and it is the smallest shard group that fits"
-    else:
-        best = min(ranking_cost(r, timed) for r in plan.rows)
-        among = "all layouts" if ranking_cost(row, timed) <= best * (1 + _SAME_TRAFFIC) else "the layouts that fit"
-        if timed:
-            why = (
-                f"and has the shortest estimated step time per token of {among} (within {_SAME_TRAFFIC:.0%}):"
-                f" {format_seconds(rates.step_seconds)} per step of {rates.tokens_per_step:,} tokens,"
-                f" ~{rates.tokens_per_second:,.0f} tokens/s, MFU ~{rates.mfu:.0%}"
-            )
-        else:
-            why = (
-                f"and sends the fewest bytes between nodes per token of {among} (within {_SAME_TRAFFIC:.0%}):"
-                f" {format_bytes(rates.inter_node_bytes_per_token)} per token"
-                f" ({format_bytes(row.traffic.inter_node_bytes)} per node per step of {rates.tokens_per_step:,}"
-                f" tokens, data-parallel size {rates.data_parallel_size})"
-            )
-    if layout.shard_size <= layout.ranks_per_node and layout.replicate_size > 1 and layout.num_nodes > 1:
-        why += ", only the gradient all-reduce of each shard"
-    if layout.tensor_parallel_size > 1:
-        why += f"; tensor_parallel_size={layout.tensor_parallel_size}: no layout with less tensor parallelism fits"
-        why += "" if layout.num_nodes == 1 and not timed else " with as little cost per token"
-    separator = " " if layout.num_nodes > 1 or timed else ": "
-    return f"{layout_summary(layout)} {fits}{separator}{why}"
 
 
 def _seconds(count: float, bandwidth: float | str | None) -> float | None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from fabric_hsdp.planning.layout import layout_summary
 from fabric_hsdp.planning.plan import LayoutPlan, Plan
+from fabric_hsdp.planning.step import ACTIVATION_HEADROOM
 from fabric_hsdp.planning.throughput import DEFAULT_DEVICE_FLOPS
 from fabric_hsdp.units import format_bytes, format_seconds
 
@@ -23,16 +24,18 @@ def plan_table(plan: Plan) -> str:
         f"cluster:  {cluster.num_nodes} node(s) x {cluster.devices_per_node} devices,"
         f" {format_bytes(cluster.device_memory)} per device, {format_bytes(plan.usable_memory)} usable"
         f" ({plan.safety_margin:.0%} safety margin)" + _bandwidths(plan),
-        f"training: {training.precision}, optimizer {workload.optimizer}, micro-batch {workload.micro_batch_size} x"
-        f" {workload.seq_len} tokens, activation checkpointing {_checkpointing(training)},"
+        f"training: {training.precision}, optimizer {workload.optimizer}, sequences of {workload.seq_len} tokens,"
+        f" activation checkpointing {_checkpointing(training)}"
+        f"{' where needed to fit' if plan.adapt and training.checkpointing != 'none' else ''},"
         f" CPU offload {'on' if training.cpu_offload else 'off'},"
         f" reshard_after_forward={training.reshard_after_forward}" + _levers(training),
+        _batch_line(plan),
         *([_compute_line(plan)] if cluster.timed else []),
         "",
     ]
     inter_timed, intra_timed = cluster.inter_node_bandwidth is not None, cluster.intra_node_bandwidth is not None
-    header = ["", "shard", "TP", "mesh", "DP", "tokens/step", "params", "grads", "optim", "gathered", "activ.*"]
-    header += ["total", "fits", "inter-node/step", "inter-node/token", "intra-node/step"]
+    header = ["", "shard", "TP", "mesh", "DP", "micro x acc.", "AC", "params", "grads", "optim", "gathered", "activ.*"]
+    header += ["total", "+headroom", "fits", "inter-node/step", "inter-node/token", "intra-node/step"]
     header += (["inter-node time"] if inter_timed else []) + (["intra-node time"] if intra_timed else [])
     header += ["step time", "tokens/s", "MFU"] if cluster.timed else []
     table = [header]
@@ -44,14 +47,16 @@ def plan_table(plan: Plan) -> str:
             str(row.layout.tensor_parallel_size),
             "x".join(str(size) for size in row.layout.mesh_shape),
             str(row.data_parallel_size),
-            f"{row.data_parallel_size * workload.tokens:,}",
+            f"{row.step.micro_batch_size} x {row.step.accumulation_steps}",
+            _checkpointing(row.training),
             *(format_bytes(value) for value in (memory.parameters, memory.gradients, memory.optimizer)),
             format_bytes(memory.gathered),
             format_bytes(memory.activations),
             format_bytes(memory.total),
+            format_bytes(row.total_with_headroom),
             "yes" if row.fits else "no",
             format_bytes(row.traffic.inter_node_bytes),
-            format_bytes(row.traffic.inter_node_bytes / (row.data_parallel_size * workload.tokens)),
+            format_bytes(row.traffic.inter_node_bytes / plan.tokens_per_step),
             format_bytes(row.traffic.intra_node_bytes),
         ]
         if inter_timed:
@@ -84,9 +89,11 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"skipped: {layout_summary(layout)}: {reason}")
     lines.append(ACTIVATIONS_NOTE)
     lines.append(
-        "  DP: data-parallel ranks (world / TP); tokens/step: DP x micro-batch x seq_len; inter-node/step: bytes the"
-        " busiest node sends to other nodes, /token: per token of the step; intra-node/step: bytes the busiest device"
-        " sends within its node (ring collectives, one micro-batch per step)"
+        f"  DP: data-parallel ranks (world / TP); micro x acc.: sequences per micro-batch x micro-batches per step"
+        f" (gradient accumulation), the largest micro-batch that fits; AC: activation checkpointing; +headroom: the"
+        f" total with the estimated activations counted {ACTIVATION_HEADROOM:.0%} over, what must fit;"
+        " inter-node/step: bytes the busiest node sends to other nodes per optimizer step, /token: per token of"
+        " the step; intra-node/step: bytes the busiest device sends within its node (ring collectives)"
         + ("; time: those bytes over the bandwidth given, not overlapped" if inter_timed or intra_timed else "")
     )
     if cluster.timed:
@@ -96,6 +103,20 @@ def plan_table(plan: Plan) -> str:
             " over the peak (estimates, not measurements)"
         )
     return "\n".join(lines)
+
+
+def _batch_line(plan: Plan) -> str:
+    whose = (
+        "given"
+        if plan.global_batch_given
+        else f"the planner's: {plan.cluster.num_nodes * plan.cluster.devices_per_node} devices"
+        + (f" / TP {min(plan.tensor_parallel_sizes)}" if min(plan.tensor_parallel_sizes or [1]) > 1 else "")
+        + f" x micro-batch {plan.training.workload.micro_batch_size}; pass --global_batch_size to change"
+    )
+    return (
+        f"batch:    {plan.global_batch_size} sequences = {plan.tokens_per_step:,} tokens per optimizer step, every"
+        f" layout ({whose})"
+    )
 
 
 def _checkpointing(training: Any) -> str:
@@ -143,7 +164,11 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             else DEFAULT_DEVICE_FLOPS,
             "compute_efficiency": cluster.compute_efficiency,
         },
-        "ranked_by": "seconds per token" if cluster.timed else "inter-node bytes per token",
+        "ranked_by": "seconds per step" if cluster.timed else "inter-node bytes per step",
+        "global_batch_size": plan.global_batch_size,
+        "global_batch_given": plan.global_batch_given,
+        "tokens_per_step": plan.tokens_per_step,
+        "activation_headroom": ACTIVATION_HEADROOM,
         "training": {
             "precision": training.precision,
             "optimizer": workload.optimizer,
@@ -177,6 +202,10 @@ def _row_dict(row: LayoutPlan) -> dict[str, Any]:
         "mesh_dim_names": list(layout.mesh_dim_names),
         "fits": row.fits,
         "recommended": row.recommended,
+        "micro_batch_size": None if row.step is None else row.step.micro_batch_size,
+        "accumulation_steps": None if row.step is None else row.step.accumulation_steps,
+        "activation_checkpointing_mode": None if row.training is None else row.training.checkpointing,
+        "total_with_headroom": row.total_with_headroom,
         "bytes_per_device": {
             "parameters": memory.parameters,
             "gradients": memory.gradients,

@@ -1,9 +1,10 @@
 """Per token: what a layout sends, and (with bandwidths) how long a step takes, tokens/s and MFU.
 
-Layouts differ in how many tokens a step processes: each tensor-parallel group works on one micro-batch, so a layout
-with TP degree ``T`` on ``W`` ranks has ``W / T`` data-parallel ranks and processes ``W / T x micro-batch x seq_len``
-tokens per step. Comparing bytes per step would favour large ``T`` (fewer replicas, less gradient traffic) while it
-sends ~``T`` times more per token; the planner compares bytes (and time) per token.
+Each tensor-parallel group works on one micro-batch, so a layout with TP degree ``T`` on ``W`` ranks has ``W / T``
+data-parallel ranks, and a step of ``a`` micro-batches (gradient accumulation) processes
+``W / T x micro-batch x a x seq_len`` tokens. The plan compares every layout at one global batch (so the same
+tokens per step): TP's layouts run more sequences per data-parallel rank, as a larger micro-batch or more
+accumulation steps (see :mod:`~fabric_hsdp.planning.step`).
 
 Compute, per token (torchtitan's and PaLM's count): ``6 N + 12 L d s`` model FLOPs, ``N`` the parameters that do
 matmuls (every 2-D weight except the token embedding, whose forward is a lookup; the output head counts even when
@@ -97,16 +98,19 @@ def throughput(
     intra_node_bandwidth: float | None,
     device_flops: float | None,
     efficiency: float,
+    accumulation_steps: int = 1,
 ) -> Throughput:
-    """Tokens per step, bytes per token and, with a bandwidth, the step time, tokens/s and MFU of ``layout``."""
+    """Tokens per step, bytes per token and, with a bandwidth, the step time, tokens/s and MFU of ``layout``, for
+    ``accumulation_steps`` micro-batches per step (``traffic`` is that step's)."""
     data_parallel = layout.data_parallel_size
-    tokens = data_parallel * training.workload.tokens
+    tokens_per_rank = accumulation_steps * training.workload.tokens
+    tokens = data_parallel * tokens_per_rank
     inter, intra = traffic.inter_node_bytes / tokens, traffic.intra_node_bytes / tokens
     if inter_node_bandwidth is None and intra_node_bandwidth is None:
         return Throughput(data_parallel, tokens, inter, intra)
     peak = device_flops if device_flops is not None else DEFAULT_DEVICE_FLOPS
     model_flops, hardware_flops = flops_per_token(model, training)
-    compute = training.workload.tokens * hardware_flops / layout.tensor_parallel_size / (peak * efficiency)
+    compute = tokens_per_rank * hardware_flops / layout.tensor_parallel_size / (peak * efficiency)
     intra_by_dim = traffic.intra_by_dim or {}
     tensor_bytes = intra_by_dim.get(TENSOR_DIM, 0.0)
     overlapped = [compute]

@@ -5,12 +5,16 @@ its successor ``(n-1)/n M`` for an all-gather or a reduce-scatter of ``M`` bytes
 for an all-reduce. gloo's ``reduce_scatter_tensor`` is an all-reduce of the whole input, so with ``backend="gloo"``
 it costs an all-reduce. Each ring edge between two nodes counts for the sending node; the rest are intra-node.
 
-Per step (one micro-batch), for a layout with FSDP degree ``S``, ``R`` replicas and TP degree ``T``:
+Per optimizer step of ``a`` micro-batches (gradient accumulation), for a layout with FSDP degree ``S``, ``R`` replicas
+and TP degree ``T``:
 
 * FSDP (``shard`` groups): an all-gather of every unit in forward, again in backward for every unit resharded after
   forward (all layers by default; the root too with ``reshard_after_forward=True``; none with ``False``), in the
-  compute dtype; a reduce-scatter of every unit's gradients in the reduce dtype.
-* Replication (``replicate`` groups): an all-reduce of each rank's gradient shard.
+  compute dtype; a reduce-scatter of every unit's gradients in the reduce dtype; all of it once per micro-batch
+  (FSDP2 gathers again for every forward, and ``fabric.no_backward_sync`` keeps the reduce-scatter: see
+  ``fabric_hsdp/gradients.py``).
+* Replication (``replicate`` groups): an all-reduce of each rank's gradient shard, once per optimizer step
+  (``no_backward_sync`` skips it between micro-batches).
 * Tensor parallelism (``tensor`` groups, always inside a node): per layer one all-reduce of the activations
   (``tokens x hidden``) per row-wise layer in forward (again when activation checkpointing recomputes the forward),
   and one per column-wise layer in backward: torch's ``ColwiseParallel`` all-reduces the gradient of each layer's
@@ -21,6 +25,7 @@ Per step (one micro-batch), for a layout with FSDP degree ``S``, ``R`` replicas 
   to the per-layer ones. Full activation checkpointing recomputes the forward's all-reduces (every k-th layer's with
   an int k; selective AC saves the collectives' outputs, so none). Sequence parallelism turns each all-reduce into a
   reduce-scatter and an all-gather: the same bytes. Loss parallel keeps the logits sharded: no logits all-gather.
+  Once per micro-batch.
 """
 
 from __future__ import annotations
@@ -47,8 +52,11 @@ class Traffic:
     intra_by_dim: dict[str, float] | None = None  # intra-node bytes of the busiest device, per mesh dim
 
 
-def traffic_per_step(model: ModelShape, training: Training, layout: Topology, backend: str = "nccl") -> Traffic:
-    """Bytes over the links in one step of ``layout`` (see the module docstring)."""
+def traffic_per_step(
+    model: ModelShape, training: Training, layout: Topology, backend: str = "nccl", accumulation_steps: int = 1
+) -> Traffic:
+    """Bytes over the links in one optimizer step of ``layout``: ``accumulation_steps`` micro-batches of
+    ``training.workload`` each (see the module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
     fsdp, tensor = layout.fsdp_size, layout.tensor_parallel_size
@@ -61,9 +69,11 @@ def traffic_per_step(model: ModelShape, training: Training, layout: Topology, ba
         shard += size.local * training.reduce_bytes
     reduce_scatter_factor = 2.0 if backend == "gloo" else 1.0
     per_edge = {
-        SHARD_DIM: _ring(fsdp) * (gathered_forward + gathered_backward + reduce_scatter_factor * reduced),
+        SHARD_DIM: accumulation_steps
+        * _ring(fsdp)
+        * (gathered_forward + gathered_backward + reduce_scatter_factor * reduced),
         REPLICATE_DIM: 2 * _ring(layout.replicate_size) * shard,
-        TENSOR_DIM: _tensor_parallel_edge_bytes(model, training, tensor),
+        TENSOR_DIM: accumulation_steps * _tensor_parallel_edge_bytes(model, training, tensor),
     }
     inter: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}
     intra_of: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}

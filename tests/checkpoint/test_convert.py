@@ -115,7 +115,10 @@ def test_inspect_reads_metadata_only(tmp_path, state_dict):
         {"name": "layers.0.attn.weight", "shape": [8, 8], "dtype": "bfloat16", "bytes": 128},
     ]
     optimizer_bytes = 3 * 4 + 16 * 8 * 4 + 8 * 8 * 4 + 12 * 8 * 4
-    assert info["extras"] == {"optimizer": {"tensors": 6, "bytes": optimizer_bytes}, "step": {"tensors": 0, "bytes": 0}}
+    assert info["extras"] == {
+        "optimizer": {"tensors": 6, "bytes": optimizer_bytes, "type": "dict"},
+        "step": {"tensors": 0, "bytes": 0, "type": "int", "value": 3},
+    }
     assert info["dcp"]["chunked_tensors"] == 0 and info["dcp"]["max_chunks"] == 1
     assert [entry["name"] for entry in info["dcp"]["files"]] == ["__0_0.distcp"]
 

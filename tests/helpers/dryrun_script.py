@@ -1,8 +1,8 @@
 """A user's Fabric script, unchanged by the dry run: what ``tests/test_dryrun.py`` runs as one rank of a cluster.
 
 ``python dryrun_script.py FACTS_JSON [--shard_size S] [--tp T] [--init_from FILE] [--steps N] [--save DIR]
-[--no_launch] [--levers]``: writes what the rank saw (world, ranks, mesh coordinates, sampler) to FACTS_JSON before
-training, and appends the step number to FACTS_JSON.steps after every optimizer step.
+[--no_launch] [--levers] [--validate_first]``: writes what the rank saw (world, ranks, mesh coordinates, sampler)
+to FACTS_JSON before training, and appends the step number to FACTS_JSON.steps after every optimizer step.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--levers", action="store_true", help="selective activation checkpointing, sequence parallel")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num_nodes", type=int, default=2)
+    parser.add_argument("--validate_first", action="store_true", help="a 1 x 8 no-grad eval forward before training")
     args = parser.parse_args()
     shard_size = int(args.shard_size) if args.shard_size.isdigit() else args.shard_size
     levers = dict(activation_checkpointing_mode="selective", sequence_parallel=True) if args.levers else {}
@@ -65,6 +66,11 @@ def main() -> None:
     }
     Path(args.facts).write_text(json.dumps(facts))
     generator = torch.Generator().manual_seed(0)
+    if args.validate_first:  # as examples/finetune.py: a validation loss before training, on another batch shape
+        model.eval()
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, 8), generator=generator).to(fabric.device))
+        model.train()
     for step in range(1, args.steps + 1):
         batch = torch.randint(0, 256, (2, 17), generator=generator).to(fabric.device)
         loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])

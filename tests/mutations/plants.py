@@ -597,4 +597,91 @@ PLANTS: dict[str, Plant] = {
             "test_a_torch_function_the_expressions_cannot_apply_lazily_is_refused_by_name",
         ),
     ),
+    "34b": Plant(
+        "the planner keeps headroom for what it estimates (#34)",
+        "a row fits on its total with the activation estimate as is (70.7 of 72.0 GB on an estimate)",
+        (("        fits = with_headroom(memory).total <= usable\n", "        fits = memory.total <= usable\n"),),
+        ("tests/planning/test_expert.py::test_headroom_for_the_estimated_activations",),
+    ),
+    "34c": Plant(
+        "every layout runs one stated global batch (#34)",
+        "each row runs one micro-batch per data-parallel rank: TP rows run T times fewer tokens per step",
+        (
+            (
+                "training, layout, batch, usable, adapt)",
+                "training, layout, layout.data_parallel_size * training.workload.micro_batch_size, usable, adapt)",
+            ),
+        ),
+        (
+            "tests/planning/test_expert.py::test_every_row_runs_the_one_stated_global_batch",
+            "tests/planning/test_expert.py::test_tensor_parallelism_runs_the_same_tokens_per_step",
+            "tests/planning/test_expert.py::test_the_recommendation_is_the_experts",
+        ),
+    ),
+    "34d": Plant(
+        "every micro-batch gathers the model again (#34)",
+        "gradient accumulation's micro-batches are free: FSDP traffic counted once per optimizer step",
+        (("        SHARD_DIM: accumulation_steps\n", "        SHARD_DIM: 1\n"),),
+        ("tests/planning/test_expert.py",),
+    ),
+    "34e": Plant(
+        "the output says why the winner won (#34)",
+        "the recommended line names the winner's figure only, not what the other TP sizes cost",
+        (("    if alternatives:\n", "    if False:\n"),),
+        ("tests/planning/test_expert.py::test_the_output_says_why_the_winner_won",),
+    ),
+    "34f": Plant(
+        "memory freed by TP buys a larger micro-batch (#34)",
+        "every row runs micro-batches of 1 and accumulates the rest",
+        (
+            (
+                "    sizes = [size for size in range(sequences_per_rank, 0, -1) if sequences_per_rank % size == 0]\n",
+                "    sizes = [1]\n",
+            ),
+        ),
+        (
+            "tests/planning/test_expert.py::test_memory_freed_by_tensor_parallelism_buys_micro_batch_and_fewer_recomputes",
+            "tests/planning/test_expert.py::test_headroom_for_the_estimated_activations",
+        ),
+    ),
+    "34g": Plant(
+        "memory freed by TP buys fewer recomputes (#34)",
+        "activation checkpointing, once allowed, stays on in every row",
+        (
+            (
+                "    checkpointing = [replace(training, activation_checkpointing=False)]\n",
+                "    checkpointing = [] if training.activation_checkpointing else [training]\n",
+            ),
+        ),
+        (
+            "tests/planning/test_expert.py::test_memory_freed_by_tensor_parallelism_buys_micro_batch_and_fewer_recomputes",
+            "tests/planning/test_expert.py::test_the_recommendation_is_the_experts",
+        ),
+    ),
+    "34h": Plant(
+        "inspect shows small extras' values (#34)",
+        "an extra's type and size only: `step` shows no value",
+        (('    if small:\n        entry["value"] = value\n', '    if False:\n        entry["value"] = value\n'),),
+        (
+            "tests/test_cli.py::test_convert_and_inspect",
+            "tests/checkpoint/test_convert.py::test_inspect_reads_metadata_only",
+        ),
+    ),
+    "34i": Plant(
+        "dryrun --max_steps 0 saves nothing unless asked (#34)",
+        "the dry run's own save after the limit runs with --max_steps 0 too (3.1 GiB at 70B for a set-up run)",
+        (("                save_after_stop = max_steps > 0\n", "                save_after_stop = True\n"),),
+        ("tests/test_dryrun.py::test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scratch",),
+    ),
+    "34j": Plant(
+        "the dry run compares the plan with the training step's forward (#34)",
+        "the first forward seen, a validation batch under no_grad, sets the planned workload",
+        (
+            (
+                "        training = torch.is_grad_enabled() and module.training\n",
+                "        training = True\n",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_the_plan_is_compared_with_the_training_forward_not_a_validation_one",),
+    ),
 }

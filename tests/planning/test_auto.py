@@ -7,6 +7,7 @@ from examples.tiny_llama import Llama, LlamaConfig
 from fabric_hsdp import HybridFSDPStrategy
 from fabric_hsdp.planning import NoLayoutFitsError, Training, Workload, memory_per_device, model_shape_of_module
 from fabric_hsdp.planning.auto import auto_topology, check_memory_budget
+from fabric_hsdp.planning.step import with_headroom
 
 
 def test_cpu_needs_an_explicit_budget():
@@ -27,7 +28,8 @@ def test_auto_takes_the_recommended_layout_and_says_when_nothing_fits():
     with torch.device("meta"):
         model = Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=16))
     shape, training = model_shape_of_module(model), Training("32-true", Workload(2, 8))
-    node, world = (memory_per_device(shape, training, shard, 1).total for shard in (2, 4))
+    # what must fit: the activation estimate with its headroom (issue #34)
+    node, world = (with_headroom(memory_per_device(shape, training, shard, 1)).total for shard in (2, 4))
     kwargs = dict(num_nodes=2, ranks_per_node=2, tensor_parallel_size=1, tensor_parallel_plan="auto")
     kwargs.update(training=Training("32-true", Workload(2, 8)), backend="gloo")
     topology, plan = auto_topology(model, int(node / 0.9) + 1, **kwargs)

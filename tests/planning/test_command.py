@@ -45,7 +45,8 @@ def test_json_has_one_entry_per_layout_and_one_recommendation(capsys):
     for entry in layouts:
         assert isinstance(entry["shard_size"], int) and isinstance(entry["fits"], bool)
         assert set(entry["bytes_per_device"]) >= {"parameters", "gradients", "optimizer", "total"}
-        assert entry["fits"] == (entry["bytes_per_device"]["total"] <= document["cluster"]["usable_memory"])
+        assert entry["fits"] == (entry["total_with_headroom"] <= document["cluster"]["usable_memory"])
+        assert entry["total_with_headroom"] >= entry["bytes_per_device"]["total"]
         shape = [16 // entry["shard_size"], entry["shard_size"]]
         if entry["tensor_parallel_size"] > 1:
             shape = [shape[0], entry["shard_size"] // entry["tensor_parallel_size"], entry["tensor_parallel_size"]]
@@ -67,7 +68,8 @@ def test_table_marks_the_recommended_row_and_says_why(capsys, tmp_path):
     marked = [line for line in lines if line.startswith("->")]
     assert len(marked) == 1 and marked[0].split()[1:4] == ["8", "1", "2x8"]
     assert "50.0 GB/s between nodes (per node)" in out and "inter-node time" in out
-    assert any(line.startswith("recommended: shard_size=8 (one node), mesh (2, 8) fits") for line in lines)
+    winner = "recommended: shard_size=8 (one node), mesh (2, 8), micro-batch 1 x 1 accumulation step, activation"
+    assert any(line.startswith(winner) for line in lines)
     assert "activations are an estimate" in out
 
 

@@ -1,10 +1,10 @@
-"""The layouts an expert picks for Llama-3 8B and 70B on 2 and 4 nodes of 8 x 80 GB, from both config sources.
+"""The layouts an expert picks for Llama-3 8B and 70B on 2 x 8 and 16 x 8 x 80 GB, with a slow and a fast inter-node
+fabric, from both config sources (issue #34).
 
-The expected answers are written as an expert gives them, not computed by the test: an 8B trains best with one copy
-per node (HSDP, no TP: only the gradient all-reduce crosses nodes); a 70B does not fit one node's 8 x 80 GB with
-bf16-mixed AdamW, so it is sharded over all ranks (plain FSDP, still no TP at this scale). Tensor parallelism only
-cuts the tokens per step (each TP group works on one micro-batch), so at equal traffic per step it sends T times more
-per token: the old per-step ranking picked TP 8 for the 8B (issue #20).
+The expected answers are written as an expert gives them, not computed by the test, each with its reasoning beside
+it. Every layout runs the same global batch (issue #34: the rows used to run different batches, 262,144 down to
+32,768 tokens per step, and the per-token rule could never pick TP), with the micro-batch and recompute the memory
+allows. MoE and LoRA rows come with those features.
 """
 
 import json
@@ -22,14 +22,63 @@ LLAMA_3 = {
 LITGPT_NAMES = {"8B": "Llama-3-8B", "70B": "Llama-3-70B"}
 BANDWIDTHS = {"inter_node_bandwidth": "400Gbit/s", "intra_node_bandwidth": "450GB/s"}
 
-# (model, nodes, precision, activation checkpointing) -> (shard_size, tensor_parallel_size, mesh), None: nothing fits
-EXPERT = {
-    ("8B", 2, "bf16-mixed", False): (8, 1, (2, 8)),
-    ("8B", 4, "bf16-mixed", False): (8, 1, (4, 8)),
-    ("70B", 4, "bf16-mixed", True): (32, 1, (1, 32)),
-    ("70B", 2, "bf16-true", True): (16, 1, (1, 16)),
-    ("70B", 2, "bf16-mixed", True): None,  # 16 bytes per parameter over 16 GPUs is 70.6 GB before anything else
+FABRICS = {
+    # one 400 Gbit/s NIC per node: FSDP's gathers of a 70B outrun the compute several times over
+    "slow": {"inter_node_bandwidth": "400Gbit/s", "intra_node_bandwidth": "450GB/s"},
+    # one 400 Gbit/s NIC per GPU (DGX H100 with NDR): the gathers hide under the compute
+    "fast": {"inter_node_bandwidth": "3200Gbit/s", "intra_node_bandwidth": "450GB/s"},
+    "no bandwidth given": {},
 }
+
+# (model, nodes, fabric) -> (shard_size, tensor_parallel_size, mesh, micro-batch, accumulation steps, checkpointing)
+# or None (nothing fits). bf16-mixed AdamW, sequences of 2048, activation checkpointing allowed, the planner's global
+# batch (one sequence per GPU: 16 on 2 x 8, 128 on 16 x 8). Each answer with the reasoning an expert gives for it.
+EXPERT_TABLE = {
+    # An 8B's state is 16 B/param = 128 GB: one node holds a copy (16 GB per GPU), so HSDP with a copy per node
+    # keeps the gathers on NVLink and only the gradient all-reduce (of 1/8 of the model per GPU) crosses the slow
+    # link; no TP (the 2048-token micro-batch fits, and TP only adds collectives on every layer), no recompute.
+    ("8B", 2, "slow"): (8, 1, (2, 8), 1, 1, "none"),
+    ("8B", 16, "slow"): (8, 1, (16, 8), 1, 1, "none"),
+    ("8B", 2, "no bandwidth given"): (8, 1, (2, 8), 1, 1, "none"),
+    # With a fast fabric the gradient all-reduce hides under the compute whatever the shard group, so the smallest
+    # group that fits (half a node: 32 GB of state per GPU) gathers over 4 GPUs instead of 8; still no TP.
+    ("8B", 2, "fast"): (4, 1, (4, 4), 1, 1, "none"),
+    ("8B", 16, "fast"): (4, 1, (32, 4), 1, 1, "none"),
+    # A 70B's 16 B/param over 16 GPUs is 70.6 GB before any activation: nothing fits 72 GB usable, any fabric.
+    ("70B", 2, "slow"): None,
+    ("70B", 2, "fast"): None,
+    # Slow fabric: every layout sends ~the model's bytes per node per gather (TP does not cut a node's share), so
+    # the step is the fabric's: one micro-batch per step is the floor, reached without TP with recompute (which
+    # hides under the communication); FSDP over all ranks, no TP.
+    ("70B", 16, "slow"): (128, 1, (1, 128), 1, 1, "full"),
+    # Without bandwidths the same by bytes: TP 8 sends ~6 % fewer (smaller rings), not enough to pay its collectives.
+    ("70B", 16, "no bandwidth given"): (128, 1, (1, 128), 1, 1, "full"),
+    # Fast fabric: the gathers hide under the compute, so recompute (a third more compute with full AC) is the cost
+    # to avoid. TP 2 halves the activations and the gathered layers: a sequence fits without recompute; its two
+    # micro-batches per step gather twice, hidden too. FSDP over all ranks, TP 2 inside the node.
+    ("70B", 16, "fast"): (128, 2, (1, 64, 2), 1, 2, "none"),
+}
+
+# torchtitan's Llama 3 70B recipe at 16 x 8: a global batch of 64 sequences of 8192, TP with sequence and loss
+# parallel. 64 sequences cannot split over 128 data-parallel ranks: TP is needed at all.
+TORCHTITAN = {
+    # Fast fabric: TP 8 inside the node splits every activation 8 ways (sequence parallel), so a whole 8192-token
+    # sequence fits without recompute; the gathers (4 micro-batches per step) hide under the compute; HSDP with a
+    # copy per 8 nodes. torchtitan's layout.
+    "fast": (64, 8, (2, 8, 8), 1, 4, "none"),
+    # Slow fabric: the gathers are the step, so the fewest micro-batches per step: TP 2 (the least TP that gives
+    # each data-parallel rank a whole sequence) with recompute, one gather per step.
+    "slow": (128, 2, (1, 64, 2), 1, 1, "full"),
+}
+
+
+def answer(plan):
+    chosen = plan.recommended
+    if chosen is None:
+        return None
+    layout, step = chosen.layout, chosen.step
+    shape = (layout.shard_size, layout.tensor_parallel_size, layout.mesh_shape)
+    return (*shape, step.micro_batch_size, step.accumulation_steps, chosen.training.checkpointing)
 
 
 def transformers_config(tmp_path_factory, size):
@@ -53,52 +102,110 @@ def shapes(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("timed", [False, True], ids=["bytes per token", "step time per token"])
 @pytest.mark.parametrize("source", ["transformers", "litgpt"])
-@pytest.mark.parametrize(("size", "nodes", "precision", "checkpointing"), list(EXPERT))
-def test_the_recommendation_is_the_experts(shapes, source, size, nodes, precision, checkpointing, timed):
+@pytest.mark.parametrize(("size", "nodes", "fabric"), list(EXPERT_TABLE))
+def test_the_recommendation_is_the_experts(shapes, source, size, nodes, fabric):
     model = shapes[(size, source)]
     assert model.num_parameters == {"8B": 8_030_261_248, "70B": 70_553_706_496}[size]
-    cluster = Cluster(nodes, 8, "80GB", **(BANDWIDTHS if timed else {}))
-    training = Training(precision, Workload(1, 2048), activation_checkpointing=checkpointing)
-    plan = make_plan(model, cluster, training)
-    chosen = plan.recommended
-    got = None if chosen is None else (chosen.layout.shard_size, chosen.layout.tensor_parallel_size)
-    expected = EXPERT[(size, nodes, precision, checkpointing)]
-    assert (got, None if chosen is None else chosen.layout.mesh_shape) == (
-        (None, None) if expected is None else (expected[:2], expected[2])
+    training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
+    plan = make_plan(model, Cluster(nodes, 8, "80GB", **FABRICS[fabric]), training)
+    assert answer(plan) == EXPERT_TABLE[(size, nodes, fabric)]
+
+
+@pytest.mark.parametrize("fabric", list(TORCHTITAN))
+def test_torchtitans_70b_recipe_at_its_global_batch(shapes, fabric):
+    training = Training("bf16-mixed", Workload(1, 8192), True, sequence_parallel=True, loss_parallel=True)
+    plan = make_plan(
+        shapes[("70B", "litgpt")], Cluster(16, 8, "80GB", **FABRICS[fabric]), training, global_batch_size=64
     )
+    assert answer(plan) == TORCHTITAN[fabric]
+    skipped = {layout.tensor_parallel_size for layout, _ in plan.skipped}
+    assert skipped == {1} and "global batch of 64 sequences does not split over its 128" in plan.skipped[0][1]
 
 
-def test_tensor_parallelism_sends_less_per_step_but_more_per_token(shapes):
-    """The trap of the per-step ranking: 8B on 2 x 8, TP 8 over all ranks sends a little less per step than HSDP."""
+def test_every_row_runs_the_one_stated_global_batch(shapes):
+    """Issue #34: the rows ran 262,144 down to 32,768 tokens per step; now every row runs the same global batch."""
+    plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB"), Training("bf16-mixed", Workload(1, 2048)))
+    assert plan.global_batch_size == 128 and not plan.global_batch_given
+    for row in plan.rows:
+        assert row.step.micro_batch_size * row.step.accumulation_steps * row.data_parallel_size == 128
+        assert row.throughput.tokens_per_step == 262_144
+    table = plan_table(plan)
+    assert (
+        "batch:    128 sequences = 262,144 tokens per optimizer step, every layout (the planner's: 128 devices" in table
+    )
+    training = Training("bf16-mixed", Workload(1, 2048))
+    given = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB"), training, global_batch_size=512)
+    assert {row.throughput.tokens_per_step for row in given.rows} == {512 * 2048} and given.global_batch_given
+
+
+def test_memory_freed_by_tensor_parallelism_buys_micro_batch_and_fewer_recomputes(shapes):
+    training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
+    plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB", **FABRICS["fast"]), training)
+    rows = {(row.layout.shard_size, row.layout.tensor_parallel_size): row for row in plan.rows}
+    # TP 1 needs recompute to fit one sequence; TP 2 fits it without
+    assert rows[(128, 1)].training.checkpointing == "full" and rows[(128, 2)].training.checkpointing == "none"
+    # TP 8's 8 sequences per data-parallel rank run as micro-batches larger than 1
+    assert rows[(128, 8)].step.micro_batch_size > 1
+
+
+def test_headroom_for_the_estimated_activations(shapes):
+    """Issue #34: micro-batch 4 x 4096 with AC picked a layout at 70.7 of 72.0 GB on an activation estimate."""
+    training = Training("bf16-mixed", Workload(4, 4096), activation_checkpointing=True)
+    plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB"), training)
+    chosen = plan.recommended
+    assert chosen.total_with_headroom <= plan.usable_memory
+    assert chosen.total_with_headroom >= chosen.memory.total + chosen.memory.activations // 5
+    # the old choice: FSDP over all ranks with the whole micro-batch of 4 (70.7 GB on the estimate) no longer fits
+    no_tp = next(row for row in plan.rows if (row.layout.shard_size, row.layout.tensor_parallel_size) == (128, 1))
+    assert (no_tp.step.micro_batch_size, no_tp.step.accumulation_steps) == (2, 2)
+    assert "the estimated activations counted 25% over" in plan.reason
+
+
+def test_the_output_says_why_the_winner_won(shapes):
+    training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
+    plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB", **FABRICS["fast"]), training)
+    reason = plan.reason
+    assert reason.startswith("shard_size=128 (all ranks), tensor_parallel_size=2, mesh (1, 64, 2), micro-batch 1 x 2")
+    # the best of every other TP size, its figure against the winner's, and what costs it
+    assert "tensor_parallel_size=1: at best shard_size=32 (4 nodes), mesh (4, 32), micro-batch 1 x 1" in reason
+    assert "it recomputes the checkpointed layers' forward" in reason
+    assert "tensor_parallel_size=8: at best" in reason and "gather the model 2 times, against 2" not in reason
+    assert f"recommended: {reason}" in plan_table(plan)
+
+
+def test_tensor_parallelism_runs_the_same_tokens_per_step(shapes):
+    """Issue #20's trap (per step, TP 8 ran 4,096 tokens against HSDP's 32,768) is gone: both run the global batch,
+    TP 8's data-parallel ranks with 8 sequences each."""
     plan = make_plan(shapes[("8B", "litgpt")], Cluster(2, 8, "80GB"), Training("bf16-mixed", Workload(1, 2048)))
     rows = {(row.layout.shard_size, row.layout.tensor_parallel_size): row for row in plan.rows}
     hsdp, tensor_parallel = rows[(8, 1)], rows[(16, 8)]
-    assert tensor_parallel.fits and tensor_parallel.traffic.inter_node_bytes < hsdp.traffic.inter_node_bytes
     assert (hsdp.data_parallel_size, tensor_parallel.data_parallel_size) == (16, 2)
-    assert (hsdp.throughput.tokens_per_step, tensor_parallel.throughput.tokens_per_step) == (32768, 4096)
-    assert tensor_parallel.throughput.inter_node_bytes_per_token > 7 * hsdp.throughput.inter_node_bytes_per_token
+    assert (hsdp.throughput.tokens_per_step, tensor_parallel.throughput.tokens_per_step) == (32768, 32768)
+    assert tensor_parallel.step.sequences_per_rank == 8
     assert hsdp.recommended and not tensor_parallel.recommended
 
 
-def test_table_and_json_show_data_parallel_size_tokens_and_rates(shapes):
+def test_table_and_json_show_the_step_and_rates(shapes):
     model = shapes[("8B", "transformers")]
     plan = make_plan(model, Cluster(2, 8, "80GB", **BANDWIDTHS), Training("bf16-mixed", Workload(1, 2048)))
     document = json.loads(json.dumps(plan_dict(plan)))
     by_layout = {(entry["shard_size"], entry["tensor_parallel_size"]): entry for entry in document["layouts"]}
     assert (by_layout[(8, 1)]["data_parallel_size"], by_layout[(8, 1)]["tokens_per_step"]) == (16, 32768)
-    assert (by_layout[(16, 8)]["data_parallel_size"], by_layout[(16, 8)]["tokens_per_step"]) == (2, 4096)
-    assert document["ranked_by"] == "seconds per token" and document["cluster"]["device_flops"] == 989e12
+    assert (by_layout[(16, 8)]["data_parallel_size"], by_layout[(16, 8)]["tokens_per_step"]) == (2, 32768)
+    entry = by_layout[(16, 8)]
+    assert entry["micro_batch_size"] * entry["accumulation_steps"] == 8
+    assert document["ranked_by"] == "seconds per step" and document["cluster"]["device_flops"] == 989e12
+    assert (document["global_batch_size"], document["tokens_per_step"]) == (16, 32768)
     chosen = document["recommended"]
     assert 0 < chosen["mfu_estimate"] < document["cluster"]["compute_efficiency"]
     assert chosen["tokens_per_second_estimate"] == pytest.approx(32768 / chosen["step_seconds_estimate"])
     table = plan_table(plan)
     header = next(line for line in table.splitlines() if line.lstrip().startswith("shard"))
-    for column in ("DP", "tokens/step", "inter-node/token", "step time", "tokens/s", "MFU"):
+    for column in ("DP", "micro x acc.", "AC", "+headroom", "inter-node/token", "step time", "tokens/s", "MFU"):
         assert column in header
     marked = next(line for line in table.splitlines() if line.startswith("->")).split()
-    assert marked[1:6] == ["8", "1", "2x8", "16", "32,768"]
+    assert marked[1:9] == ["8", "1", "2x8", "16", "1", "x", "1", "off"]
     assert "989 TFLOP/s per device (assumed: H100 dense bf16; pass --device_flops) at 40% efficiency" in table
 
 

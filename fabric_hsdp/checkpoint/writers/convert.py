@@ -284,14 +284,30 @@ def _info_dict(info: TensorInfo) -> dict[str, Any]:
     }
 
 
+_SMALL_TEXT = 80  # characters of a string extra shown whole
+
+
+def _extra_dict(value: Any) -> dict[str, Any]:
+    """An extra's tensor count, bytes and type, and its value when it is small and plain (``step``, a seed)."""
+    entry: dict[str, Any] = {"tensors": len(tree_leaves(value)), "bytes": tree_nbytes(value)}
+    entry["type"] = type(value).__name__
+    small = (
+        value is None or isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= _SMALL_TEXT)
+    )
+    if small:
+        entry["value"] = value
+    return entry
+
+
 def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool = True, first: int = 10) -> dict[str, Any]:
     """Describe a checkpoint without reading tensor data: format, counts, sizes, dtypes, first keys, DCP chunking.
 
     Returns:
         A JSON-serialisable dict with ``path``, ``format``, ``tensors``, ``parameters``, ``bytes``, ``dtypes``,
         ``largest``, ``first_keys``, ``model_key`` (the entry holding the model tensors, ``None`` for a raw state
-        dict), ``extras`` (top-level entries besides the model, with their tensor count and
-        bytes) and, for DCP, ``dcp`` (files and how tensors are chunked).
+        dict), ``extras`` (top-level entries besides the model, with their tensor count, bytes, type and, for a
+        number, bool, None or short string such as ``step``, the value) and, for DCP, ``dcp`` (files and how
+        tensors are chunked).
     """
     with open_checkpoint(path, weights_only=weights_only) as checkpoint:
         names = checkpoint.keys()
@@ -308,9 +324,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, weights_only: bool = True, fi
             "largest": _info_dict(largest) if largest else None,
             "first_keys": [_info_dict(info) for info in infos[:first]],
             "model_key": getattr(checkpoint, "model_key", None),
-            "extras": {
-                key: {"tensors": len(tree_leaves(value)), "bytes": tree_nbytes(value)} for key, value in extras.items()
-            },
+            "extras": {key: _extra_dict(value) for key, value in extras.items()},
         }
         if checkpoint.format == "dcp":
             chunk_counts = {name: len(checkpoint.chunks(name)) for name in names}

@@ -1,0 +1,95 @@
+"""The optimizer step each layout runs at the plan's one global batch: micro-batch, accumulation, checkpointing.
+
+Every row of a plan processes the same global batch ``G`` sequences per optimizer step (the user's
+``global_batch_size``, else the planner's stated default: the world size over the smallest TP size, times the
+micro-batch), so the rows do the same work and their bytes and times compare directly. A layout with ``D`` data-parallel
+ranks gives each ``n = G / D`` sequences per step (a layout whose ``D`` does not divide ``G`` is skipped with the
+reason); it runs them as ``a = n / m`` micro-batches of ``m`` sequences.
+
+Tensor parallelism frees memory (a ``T``-th of the gathered layers and of the split activations): with ``adapt`` the
+planner spends it on the largest micro-batch that fits (fewer micro-batches: fewer FSDP gathers per step) and on
+fewer recomputes (activation checkpointing off where the layout fits without it). Without ``adapt`` (the strategy's
+``shard_size="auto"``, whose micro-batch is the script's) the micro-batch and checkpointing are the user's.
+
+"Fits" keeps headroom for what is estimated: the activations (an estimate, see :mod:`~fabric_hsdp.planning.memory`)
+count :data:`ACTIVATION_HEADROOM` more; the exact sharded state does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fabric_hsdp.planning.memory import Memory, Training
+
+# the activation estimate's margin: its error against measured saved tensors, and the allocator's fragmentation of
+# many short-lived tensors, are what the exact columns do not have
+ACTIVATION_HEADROOM = 0.25
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """How one layout runs the global batch: ``accumulation_steps`` micro-batches of ``micro_batch_size``."""
+
+    global_batch_size: int
+    data_parallel_size: int
+    micro_batch_size: int
+    accumulation_steps: int
+
+    @property
+    def sequences_per_rank(self) -> int:
+        return self.micro_batch_size * self.accumulation_steps
+
+
+def default_global_batch(world_size: int, tensor_parallel_sizes: list[int], micro_batch_size: int) -> int:
+    """The planner's global batch when the user gives none: what the least tensor-parallel layouts run at the
+    user's micro-batch (one micro-batch per step)."""
+    return world_size // min(tensor_parallel_sizes) * micro_batch_size
+
+
+def batch_problem(global_batch_size: int, data_parallel_size: int) -> str | None:
+    """Why a layout cannot run the global batch, or None."""
+    if global_batch_size % data_parallel_size:
+        return (
+            f"the global batch of {global_batch_size} sequences does not split over its {data_parallel_size}"
+            " data-parallel ranks"
+        )
+    return None
+
+
+def with_headroom(memory: Memory, headroom: float = ACTIVATION_HEADROOM) -> Memory:
+    """``memory`` with the activation estimate grown by ``headroom``: what a layout must fit with."""
+    return replace(memory, activations=int(memory.activations * (1 + headroom)))
+
+
+def step_options(training: Training, sequences_per_rank: int, adapt: bool) -> list[tuple[Training, int]]:
+    """The (training, accumulation steps) a layout may run its ``sequences_per_rank`` with, the least memory last.
+
+    With ``adapt``: every micro-batch that divides ``sequences_per_rank`` (largest first), without activation
+    checkpointing and then with the user's (when on). Else only the user's micro-batch and checkpointing (none
+    when it does not divide ``sequences_per_rank``).
+    """
+    workload = training.workload
+    if not adapt:
+        if sequences_per_rank % workload.micro_batch_size:
+            return []
+        return [(training, sequences_per_rank // workload.micro_batch_size)]
+    checkpointing = [replace(training, activation_checkpointing=False)]
+    if training.activation_checkpointing:
+        checkpointing.append(training)
+    sizes = [size for size in range(sequences_per_rank, 0, -1) if sequences_per_rank % size == 0]
+    return [
+        (replace(chosen, workload=replace(workload, micro_batch_size=size)), sequences_per_rank // size)
+        for chosen in checkpointing
+        for size in sizes
+    ]
+
+
+def describe_step(training: Training, step: StepShape) -> str:
+    """E.g. ``micro-batch 2 x 4 accumulation steps, activation checkpointing off``."""
+    mode = training.checkpointing
+    checkpointing = "off" if mode == "none" else ("on" if mode == "full" else str(mode))
+    steps = step.accumulation_steps
+    return (
+        f"micro-batch {step.micro_batch_size} x {steps} accumulation step{'s' if steps > 1 else ''},"
+        f" activation checkpointing {checkpointing}"
+    )
