@@ -38,9 +38,9 @@ from fabric_hsdp.gradients import ReplicaSyncControl, clip_grad_norm
 from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for, one_gpu_per_task
 from fabric_hsdp.materialize import parameters_on_meta
 from fabric_hsdp.parallelize import levers_of, set_up_module
-from fabric_hsdp.planning import auto
-from fabric_hsdp.planning.memory import Training, Workload
+from fabric_hsdp.planning.memory import Training, Workload  # the types of workload= and the planner's view
 from fabric_hsdp.process_group_strategy import ProcessGroupStrategy
+from fabric_hsdp.run_topology import RunTopology
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
 from fabric_hsdp.tensor_parallel import TensorParallelPlan, loss_parallel
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology
@@ -193,7 +193,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             compile=compile,
             float8=float8,
         )
-        self._layout = auto.StrategyLayout(shard_size, tensor_parallel_size, memory_budget, workload)
+        self._layout = RunTopology(shard_size, tensor_parallel_size, memory_budget, workload)
         self._checkpoints = Checkpointer(
             state_dict_type=state_dict_type,
             async_save=async_save,
@@ -284,7 +284,9 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
     def planner_training(self, workload: Workload | None = None) -> Training:
         """How the planner sees this strategy's training (precision, levers, offload) for ``workload``: what
         ``shard_size="auto"`` chooses with and the dry run's report compares against."""
-        return auto.planner_training(self.precision_name, workload, self._levers)
+        from fabric_hsdp.planning.auto import planner_training
+
+        return planner_training(self.precision_name, workload, self._levers)
 
     @override
     def setup_module_and_optimizers(
