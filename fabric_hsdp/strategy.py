@@ -47,103 +47,46 @@ from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology
 
 
 class HybridFSDPStrategy(ProcessGroupStrategy):
-    """Hybrid sharded data parallel (HSDP) on FSDP2: shard within a node (or group of nodes), replicate across them.
+    """Hybrid sharded data parallel (HSDP) on FSDP2: shard within a node (or group of nodes), replicate across them,
+    optionally split each layer by tensor parallelism inside the node. docs/api.md has each argument in full.
 
-    Parameters, gradients and optimizer state are sharded over the ``shard`` dim of a named ``DeviceMesh``
-    ``(replicate, shard)`` (see ``device_mesh``); the ``replicate`` dim only carries the all-reduce of each shard's
-    gradients, so all-gathers never cross the slow inter-node link. With ``tensor_parallel_size=T`` the mesh is
-    ``(replicate, shard, tensor)``: each layer is also split ``T`` ways by tensor parallelism inside a node.
+    The mesh is ``(replicate, shard)``, or ``(replicate, shard, tensor)`` with ``tensor_parallel_size > 1``; only the
+    gradient all-reduce crosses the ``replicate`` dim, so all-gathers stay on the fast links. Mixed precision follows
+    ``Fabric(precision=...)`` through FSDP2's policy (fp32 master shards, fp32 gradient reduction).
 
     Arguments:
-        sharded_modules: The module classes (e.g. ``{Block}``, the transformer layer) that each become one
-            ``fully_shard`` unit, or a callable ``(name, module) -> bool``. Applied bottom-up, then to the root.
-            ``None`` (default, and what ``strategy="hsdp"`` uses) picks the layers of the model's ``nn.ModuleList``
-            containers (litgpt's ``transformer.h``, Hugging Face's ``model.layers``) and logs the classes chosen.
-        shard_size: Ranks that shard one copy of the model: ``"node"`` (default: the devices of one node),
-            ``"world"`` (plain FSDP over all ranks), or a number (e.g. 16 = two 8-GPU nodes, for a model that does not
-            fit in one node). Must divide the world size and cover whole nodes or equal parts of one node. With
-            tensor parallelism these ranks split the model ``T`` ways by TP and ``shard_size / T`` ways by FSDP.
-            ``"auto"``: at ``setup_module``, plan the real model as ``fabric-hsdp plan`` does (with this
-            ``tensor_parallel_size``) and take, of the layouts fitting ``memory_budget`` less 10 %, the one sending
-            the fewest bytes between nodes (on one node, the smallest shard group); the choice and the plan's table
-            are logged. Nothing fits: every rank raises ``NoLayoutFitsError`` (a ``ValueError``) naming the smallest
-            total per device and the changes that would fit.
-        memory_budget: With ``shard_size="auto"``: bytes each rank may use, an int or e.g. ``"70GB"``. Default: the
-            free memory of the CUDA device, the smallest over all ranks; required on CPU.
-        workload: With ``shard_size="auto"``: the micro-batch, sequence length and optimizer the plan sizes
-            activations and optimizer state for (``fabric_hsdp.planning.Workload``; default 1 x 2048 tokens, AdamW).
-        tensor_parallel_size: Ranks that split each layer by tensor parallelism (``T``; default 1: none). Must divide
-            the devices per node (tensor-parallel peers are consecutive ranks of one node) and ``shard_size``, and
-            every dim the plan splits (heads, key/value heads, intermediate size, vocabulary): checked at setup, with
-            the module, dim and size named. Tensor-parallel peers share their micro-batches
-            (``distributed_sampler_kwargs`` counts ``world / T`` data-parallel ranks).
-        tensor_parallel_plan: ``"auto"`` (default: transformers models' own plan, litgpt's ``GPT``, and models with a
-            ``_tp_plan`` attribute), a dict of module-name patterns (``*`` for one name part) to a torch
-            ``ParallelStyle``, one of transformers' style names (``"colwise"``, ``"rowwise"``,
-            ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"sequence_parallel"``, ...) or
-            ``fabric_hsdp.tensor_parallel.FusedColwise``, or a callable ``(model, tensor_mesh) -> None``. Applied
-            before activation checkpointing and ``fully_shard``. Tied weights (an output head sharing the embedding's)
-            stay one parameter: the plan must split all their holders alike (both by vocabulary rows) or none.
-            Tensor-parallel peers get one random state at ``setup_module`` (seed per rank before it, if you do), and
-            draw their own dropout masks inside the split attention/MLP regions.
-        sequence_parallel: With tensor parallelism, keep the activations between the layers split by sequence
-            (norms and residual stream on ``1/T`` of the tokens; torchtitan's Llama plan): less activation memory, the
-            same communication volume. The sequence length must divide by ``T``. For ``"auto"`` and dict plans.
-        loss_parallel: With tensor parallelism, the output head keeps its logits split by vocabulary (a DTensor);
-            compute the loss and its backward inside ``strategy.loss_parallel()`` (see there), which never gathers
-            the vocabulary. For ``"auto"`` and dict plans.
-        reshard_after_forward: FSDP2's ``reshard_after_forward``: ``True`` frees gathered parameters after forward
-            (least memory), ``False`` keeps them for backward (less communication), an int reshards to that smaller
-            group size. ``None`` lets FSDP2 decide (reshard, except for the root).
-        activation_checkpointing: Module classes (or a ``(name, module) -> bool`` callable) whose activations are
-            recomputed in backward, by a checkpoint inside their forward, so parameter names stay unchanged.
-        activation_checkpointing_mode: How the modules ``activation_checkpointing`` selects recompute: ``"full"``
-            (default: each keeps only its input), ``"selective"`` (torchtitan's op-level policy: the outputs of
-            matmuls, attention and collectives are kept, the rest recomputed), or an int ``k`` (full recompute of
-            every ``k``-th selected module only).
-        compile: ``True``, or a dict of ``torch.compile`` keyword arguments: each FSDP unit (transformer block) is
-            compiled on its own, in place, after TP and activation checkpointing and before ``fully_shard``
-            (torchtitan's order), names unchanged. Turns transformers' KV cache off (``use_cache``). Under TP
-            ``dynamic=False`` unless given (DTensor fails on automatic dynamic shapes in torch 2.13).
-        float8: ``True`` or a torchao recipe name (``"rowwise"``, the default, or ``"tensorwise"``): linear layers
-            compute in float8 (the output head and dims not divisible by 16 excepted). Needs an NVIDIA GPU of
-            compute capability 8.9+ and ``pip install fabric-hsdp[float8]``; refused at construction elsewhere.
-        cpu_offload: ``True`` for FSDP2's ``CPUOffloadPolicy()`` (parameters, gradients and optimizer state on CPU), or
-            an ``OffloadPolicy`` instance.
-        state_dict_type: What ``fabric.save`` writes: ``"sharded"`` (default), a DCP directory written by every rank in
-            parallel, each replicated shard once; or ``"full"``, one consolidated file written by rank 0 gathering one
-            tensor at a time (``.pth`` in Fabric's layout, or ``.safetensors`` for the model alone). A path ending in
-            ``.safetensors`` is always saved full.
-        async_save: Write sharded checkpoints in the background: ``fabric.save`` returns once every rank has copied
-            the chunks it writes to CPU memory (about ``1/R`` of its shards with R replicas, in buffers kept across
-            saves; pinned, and copied on a side stream, on CUDA) and training goes on while DCP writes them; the
-            checkpoint appears atomically when written everywhere. The next save or load, ``wait_for_checkpoint()``
-            and ``teardown()`` wait for it and raise its failure on every rank; at interpreter exit a pending save is
-            finished, a failed one exits with status 1. Full checkpoints are written before ``fabric.save`` returns.
-        load_mode: How ``fabric.load``/``fabric.load_raw`` read a consolidated file (a raw state dict, a Fabric full
-            checkpoint, safetensors, a Hugging Face directory): ``"slice"`` (default: every rank reads only its own
-            shard's elements), ``"turns"`` (the local ranks of a node read one after another, ``load_turn_size`` at a
-            time; for files that cannot be memory-mapped) or ``"rank0"`` (only rank 0 reads, tensors are sent out one
-            at a time; for a file on one machine only). Override per call with ``strategy.load_raw(...)``.
-        load_turn_size: Ranks per node that read at once in ``load_mode="turns"``.
-        split_replica_reads: Loading under HSDP (sharded, or raw in ``load_mode`` ``"slice"``/``"turns"``), the R
-            replicas of a shard read 1/R of it each and all-gather the rest along ``replicate``: the filesystem serves
-            the checkpoint once, not once per replica. For a shared filesystem slower than the inter-node network;
-            off by default (on CPU/gloo the gathers are slower than the reads).
-        io_timeout: Seconds (or a ``timedelta``) a rank's checkpoint reads or writes may go without advancing (64 MiB
-            read, 16 MiB written) before every rank fails naming that rank, its host, the file and the bytes done,
-            instead of waiting in a collective until ``timeout``. Watches saves, sharded loads, raw loads
-            (``"slice"``/``"turns"``) and the store host (rank 0's process). ``None`` turns it off.
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default; ``"cpu:gloo,cuda:nccl"`` on CUDA
-            with ``cpu_offload``, whose shards and gradients live in CPU memory.
+        sharded_modules: Module classes (or a ``(name, module) -> bool`` callable) that become ``fully_shard``
+            units. ``None``: the layers of the model's outermost ``nn.ModuleList``.
+        shard_size: Ranks sharding one copy: ``"node"`` (default), ``"world"`` (plain FSDP), a number that divides
+            the world and covers whole nodes, or ``"auto"`` (planned at ``setup_module``, as ``fabric-hsdp plan``).
+        memory_budget: With ``"auto"``: bytes per rank (e.g. ``"70GB"``); default the free CUDA memory.
+        workload: With ``"auto"``: the micro-batch, sequence length and optimizer to plan for.
+        tensor_parallel_size: Ranks of a node that split each layer (default 1: none).
+        tensor_parallel_plan: ``"auto"`` (transformers' plan, litgpt's ``GPT``, a model's ``_tp_plan``), a dict of
+            module-name patterns to styles, or a callable ``(model, tensor_mesh) -> None``.
+        sequence_parallel: Under TP, keep the activations between layers split by sequence.
+        loss_parallel: Under TP, keep the logits split by vocabulary; use ``strategy.loss_parallel()`` for the loss.
+        reshard_after_forward: FSDP2's option (``None``: FSDP2 decides).
+        activation_checkpointing: Module classes (or a callable) whose activations are recomputed in backward.
+        activation_checkpointing_mode: ``"full"`` (default), ``"selective"`` (matmul, attention and collective
+            outputs kept) or an int ``k`` (every ``k``-th selected module).
+        compile: ``True`` or ``torch.compile`` keyword arguments: each unit compiled on its own, in place.
+        float8: ``True``, ``"rowwise"`` or ``"tensorwise"``: torchao float8 linears (needs an SM 8.9+ GPU).
+        cpu_offload: ``True`` for FSDP2's ``CPUOffloadPolicy()``, or an ``OffloadPolicy``.
+        state_dict_type: ``"sharded"`` (default: a DCP directory, every rank writing) or ``"full"`` (one file from
+            rank 0); a path ending in ``.safetensors`` is always saved full.
+        async_save: ``fabric.save`` returns once each rank's chunks are staged to host memory; written in the
+            background, committed atomically; the next save or load, ``wait_for_checkpoint()`` or ``teardown()``
+            waits for it.
+        load_mode: How consolidated files are read: ``"slice"`` (default: each rank its own elements), ``"turns"``
+            or ``"rank0"``.
+        load_turn_size: Ranks per node reading at once in ``"turns"``.
+        split_replica_reads: Under HSDP the replicas each read 1/R of a shard and all-gather the rest.
+        io_timeout: Seconds a rank's checkpoint I/O may stall before every rank fails naming it (``None``: off).
+        process_group_backend: Default ``"nccl"`` on CUDA (``"cpu:gloo,cuda:nccl"`` with ``cpu_offload``), ``"gloo"``
+            on CPU.
         timeout: Timeout of the collectives.
-        accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies; Fabric
-            normally fills these in. Without a ``cluster_environment``, one for the launcher that started this process
-            is chosen where Lightning's order would pick another (``mpirun`` inside SLURM: ``MPIEnvironment``).
-
-    Mixed precision follows ``Fabric(precision=...)``: ``"bf16-mixed"`` computes with bf16 parameters and reduces
-    gradients in fp32 over fp32 master shards; ``"16-mixed"`` likewise with fp16; ``"bf16-true"``/``"16-true"`` build
-    the model in half precision; ``"32-true"`` is full precision.
+        accelerator, parallel_devices, cluster_environment, precision: As for Lightning's other strategies.
     """
 
     def __init__(
