@@ -11,15 +11,27 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fabric_hsdp.dryrun.session import SaveRecord
-
 if TYPE_CHECKING:
     from fabric_hsdp.topology import ParallelMesh
+
+
+@dataclass
+class SaveRecord:
+    """One ``fabric.save`` in the dry run: where the script asked, what this rank wrote where, and its share."""
+
+    path: str
+    kind: str
+    written: int = 0
+    expected_share: int = 0
+    files: list[str] = field(default_factory=list)
+    scratch: str = ""
+    by_dry_run: bool = False
 
 
 def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Path, rank: int) -> SaveRecord:

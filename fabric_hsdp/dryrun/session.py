@@ -19,6 +19,7 @@ from unittest import mock
 import torch
 
 from fabric_hsdp.dryrun.measure import Meter
+from fabric_hsdp.dryrun.save import SaveRecord, full_save_record, save_this_rank
 from fabric_hsdp.dryrun.world import DryRunWorld
 
 
@@ -28,19 +29,6 @@ class StepLimitReached(BaseException):  # noqa: N818 - not an error: the run is 
 
 
 _logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SaveRecord:
-    """One ``fabric.save`` in the dry run: where the script asked, what this rank wrote where, and its share."""
-
-    path: str
-    kind: str
-    written: int = 0
-    expected_share: int = 0
-    files: list[str] = field(default_factory=list)
-    scratch: str = ""
-    by_dry_run: bool = False
 
 
 @dataclass
@@ -198,8 +186,6 @@ class DryRunSession:
 
     # --- saves: this rank's files into scratch, no commit ----------------------------------------------------------
     def _save(self, original: Any, strategy: Any, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        from fabric_hsdp.dryrun.save import save_this_rank
-
         self.meter.end("step")
         strategy.wait_for_checkpoint()
         self._saving = True
@@ -210,8 +196,6 @@ class DryRunSession:
         self.meter.end("save")
 
     def _save_full(self, original: Any, strategy: Any, path: Any, state: dict[str, Any]) -> None:
-        from fabric_hsdp.dryrun.save import full_save_record
-
         self.saves.append(full_save_record(Path(path), state, self.world.rank))
 
     def save_after_stop(self) -> None:
@@ -223,8 +207,6 @@ class DryRunSession:
             " script's save would (pass --no-save_after_stop to skip it)",
             self.scratch,
         )
-        from fabric_hsdp.dryrun.save import save_this_rank
-
         state: dict[str, Any] = {"model": self.model}
         state.update({f"optimizer{index or ''}": optimizer for index, optimizer in enumerate(self.optimizers)})
         self.meter.start()
