@@ -93,13 +93,12 @@ def choose_backend(device: torch.device, backend: str | None, cpu_offload: bool 
     them (replicas' broadcast, the gradient norm, full gathers for a save, rank 0 loads) need a CPU backend beside
     the accelerator's: ``"cpu:gloo,cuda:nccl"``, each tensor's collective served by its own device's backend.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy
+    from fabric_hsdp.fsdp import offloads
 
     if backend:
         return backend
     default = _get_default_process_group_backend_for_device(device)
-    offloads = cpu_offload is True or isinstance(cpu_offload, CPUOffloadPolicy)
-    if offloads and device.type != "cpu" and ":" not in default:
+    if offloads(cpu_offload) and device.type != "cpu" and ":" not in default:
         return f"cpu:gloo,{device.type}:{default}"
     return default
 

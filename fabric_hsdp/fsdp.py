@@ -85,6 +85,14 @@ def precision_plugin(plugin: Precision | None) -> Precision | None:
     return plugin
 
 
+def offloads(cpu_offload: bool | OffloadPolicy) -> bool:
+    """Whether ``HybridFSDPStrategy(cpu_offload=...)`` (a bool or an offload policy) puts the state in CPU memory:
+    the one reading of the argument (FSDP's policy, the process group's backend, the planner)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return cpu_offload is True or isinstance(cpu_offload, CPUOffloadPolicy)
+
+
 def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> OffloadPolicy:
     """``True`` means FSDP2's ``CPUOffloadPolicy()``; a policy object is used as given.
 
@@ -95,7 +103,7 @@ def offload_policy(cpu_offload: bool | OffloadPolicy, device: torch.device) -> O
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     policy = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else CPUOffloadPolicy() if cpu_offload else None
-    if isinstance(policy, CPUOffloadPolicy) and device.type == "cpu":
+    if offloads(cpu_offload) and device.type == "cpu":
         raise ValueError(
             "HybridFSDPStrategy(cpu_offload=True) moves the shards from an accelerator's memory to CPU memory, but this"
             " run's device is the CPU, where they already are. Drop cpu_offload, or run on GPUs."

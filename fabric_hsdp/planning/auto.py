@@ -41,6 +41,8 @@ def smallest_budget(memory_budget: int | None, device: Any) -> int:
 def planner_training(precision: str, workload: Workload | None, levers: Levers) -> Training:
     """How the planner sees a strategy's training (precision, levers, offload) for ``workload``: what
     ``shard_size="auto"`` chooses with and the dry run's report compares against."""
+    from fabric_hsdp.fsdp import offloads
+
     reshard = levers.reshard_after_forward
     return Training(
         precision=precision,
@@ -94,12 +96,3 @@ def describe_choice(plan: Plan) -> str:
         f" per rank and {workload.optimizer} (pass workload=Workload(...) to change), with a budget of"
         f" {format_bytes(plan.cluster.device_memory)} per device:\n{plan_table(plan)}"
     )
-
-
-def offloads(cpu_offload: Any) -> bool:
-    """Whether ``HybridFSDPStrategy(cpu_offload=...)`` (a bool or an offload policy) puts the state on CPU."""
-    if isinstance(cpu_offload, bool):
-        return cpu_offload
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return isinstance(cpu_offload, CPUOffloadPolicy)
