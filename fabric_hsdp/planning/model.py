@@ -128,6 +128,12 @@ class ModelShape:
         """Why the model cannot be split ``tensor_parallel_size`` ways (None if it can)."""
         if tensor_parallel_size == 1:
             return None
+        if self.dims.num_experts:  # the strategy refuses "auto"; how a plan of your own splits experts is unknown
+            return (
+                f"tensor_parallel_size({tensor_parallel_size}): tensor_parallel_plan='auto' has no plan for"
+                f" mixture-of-experts layers ({self.dims.num_experts} experts in {self.dims.expert_layers} layers);"
+                " their experts are sharded by FSDP over the shard dim"
+            )
         for what, count in self.tensor_parallel_heads.items():
             if count % tensor_parallel_size:
                 return f"tensor_parallel_size({tensor_parallel_size}) does not divide {what}({count})"

@@ -649,4 +649,18 @@ PLANTS: dict[str, Plant] = {
         (("    expert_layers = dims.expert_layers or 0\n", "    expert_layers = 0\n"),),
         ("tests/planning/test_moe_plan.py::test_activations_follow_the_routed_tokens",),
     ),
+    "32r": Plant(
+        "the planner offers no tensor-parallel layout for an MoE model, as the strategy refuses them (#32)",
+        "MoE models' tensor-parallel layouts are planned (with split dims guessed by name)",
+        (
+            (
+                "        if self.dims.num_experts:  # the strategy refuses",
+                "        if False:  # the strategy refuses",
+            ),
+        ),
+        (
+            "tests/planning/test_moe_plan.py::"
+            "test_tensor_parallel_layouts_of_a_moe_model_are_refused_as_the_strategy_refuses_them",
+        ),
+    ),
 }

@@ -160,3 +160,14 @@ def test_moe_layer_estimate_within_15_percent_of_saved_tensors(kind, experts, to
     dims = TransformerDims(H, 1, 512, 64, HEADS, KV_HEADS, head_dim, experts, top_k, WIDTH, 1)
     estimate = layer_activation_bytes_per_token(dims, dtype.itemsize, routed=True)
     assert estimate == pytest.approx(measured, rel=0.15), (kind, dtype, measured, estimate)
+
+
+def test_tensor_parallel_layouts_of_a_moe_model_are_refused_as_the_strategy_refuses_them():
+    from fabric_hsdp.planning import Cluster, make_plan
+
+    model = model_shape_of_module(meta_model("mixtral", **MIXTRAL_8X7B))
+    plan = make_plan(model, Cluster(2, 8, "80GB"), Training("bf16-true", Workload(1, 4096)))
+    layouts = {(row.layout.fsdp_size, row.layout.tensor_parallel_size) for row in plan.rows}
+    assert layouts and all(tensor == 1 for _, tensor in layouts)
+    problem = model.tensor_parallel_problem(2)
+    assert problem.startswith("tensor_parallel_size(2): tensor_parallel_plan='auto' has no plan for mixture-of-experts")
