@@ -45,14 +45,14 @@ def refuse_tensor_parallel(model: nn.Module) -> None:
 
 
 # config names of the experts each token is routed to, and of the experts per layer (transformers, litgpt)
-_TOP_K = ("num_experts_per_tok", "n_expert_per_token")
-_EXPERTS = ("num_experts", "num_local_experts", "n_expert")
+TOP_K_NAMES = ("num_experts_per_tok", "n_expert_per_token")
+EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_expert")
 
 
 def active_parameters(named_shapes: Iterable[tuple[str, Sequence[int]]], config: Any) -> int | None:
     """Parameters one token passes through: everything but the experts, plus ``top_k / experts`` of the experts'
     (``None`` for a model whose config names no routed experts)."""
-    top_k, experts = _config_int(config, _TOP_K), _config_int(config, _EXPERTS)
+    top_k, experts = _config_int(config, TOP_K_NAMES), _config_int(config, EXPERTS_NAMES)
     if not top_k or not experts:
         return None
     total = 0

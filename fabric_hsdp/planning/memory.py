@@ -18,7 +18,10 @@ foreach AdamW (``sqrt`` of the second moment).
 
 Activations are an estimate, per token of the micro-batch, for a Llama-style block with fused (flash or
 memory-efficient) attention, in bytes: ``b_a (2h + (5h + 2 kv + 4 i) / T) + 2 h max(b_a, 4)`` per layer (the last
-term: the norms' fp32 copies); the output head and the loss ``V (b_a + 8)`` (logits, fp32 log-probabilities and
+term: the norms' fp32 copies); a mixture-of-experts layer's MLP is the ``k`` experts each token is routed to:
+``k (3h + 4 i_e)`` in place of ``4i``, plus the router's ``E`` logits and their fp32 softmax (``b_a E + 4 E``), ``i_e``
+an expert's width (measured against transformers' Qwen3-MoE and Mixtral layers and litgpt's ``LLaMAMoE`` block,
+tests/planning/test_moe_plan.py); the output head and the loss ``V (b_a + 8)`` (logits, fp32 log-probabilities and
 their gradient). Measured against autograd's saved tensors for this repository's tiny Llama, transformers'
 ``LlamaDecoderLayer`` and litgpt's ``Block`` (docs/concepts.md).
 
@@ -290,32 +293,52 @@ def activation_bytes(model: ModelShape, training: Training, tensor_parallel_size
     dims, tokens, element = model.dims, training.workload.tokens, training.compute_bytes
     tensor = tensor_parallel_size
     outside = tensor if training.sequence_parallel else 1  # the region outside TP, sequence-sharded with SP
-    layer = tokens * layer_activation_bytes_per_token(dims, element, tensor, outside)
+    expert_layers = dims.expert_layers or 0
+    dense = tokens * layer_activation_bytes_per_token(dims, element, tensor, outside)
+    routed = tokens * layer_activation_bytes_per_token(dims, element, tensor, outside, routed=True)
+    layer = (expert_layers * routed + (dims.num_layers - expert_layers) * dense) / max(dims.num_layers, 1)
     vocabulary = tensor if training.loss_parallel else 1
     head = tokens * dims.vocab_size * (element + 8) / vocabulary
     checkpointed = training.checkpointed_layers(dims.num_layers)
     if training.checkpointing == "selective":
-        kept = tokens * element * (3 * dims.hidden_size / outside + _selective_split(dims) / tensor)
+        kept = tokens * element * (3 * dims.hidden_size / outside + _selective_split(dims, expert_layers > 0) / tensor)
     else:
         kept = tokens * dims.hidden_size * element / outside
-    recompute = layer if checkpointed else 0  # one checkpointed layer's forward runs again at a time
+    recompute = max(routed if expert_layers else 0, dense) if checkpointed else 0  # one layer's forward again
     saved = checkpointed * kept + (dims.num_layers - checkpointed) * layer + recompute
     return int(saved + head)
 
 
 def layer_activation_bytes_per_token(
-    dims: TransformerDims, element_bytes: int, tensor_parallel_size: int = 1, outside_divisor: int = 1
+    dims: TransformerDims,
+    element_bytes: int,
+    tensor_parallel_size: int = 1,
+    outside_divisor: int = 1,
+    routed: bool = False,
 ) -> float:
     """What one Llama-style block keeps for backward per token: ``b_a (2h + (5h + 2kv + 4i) / T) + 2h max(b_a, 4)``.
 
     ``outside_divisor``: ``T`` with sequence parallelism (the ``2h`` terms are sequence-sharded), else 1.
+    ``routed``: a mixture-of-experts block, whose MLP is the ``k`` experts each token is routed to, each keeping
+    its copy of the token, gate and up outputs, the activation, their product and the expert's output (transformers'
+    experts also the weighted output): ``k (3h + 4 i_e)`` instead of ``4i``; plus the router's logits (``E``, in the
+    compute dtype) and their fp32 softmax (``4E`` bytes).
     """
     hidden, kv, inner = dims.hidden_size, dims.kv_size, dims.intermediate_size
-    split = (5 * hidden + 2 * kv + 4 * inner) / tensor_parallel_size
-    outside = (element_bytes * 2 * hidden + 2 * hidden * max(element_bytes, 4)) / outside_divisor
+    mlp, router = 4 * inner, 0
+    if routed and dims.num_experts and dims.experts_per_token and dims.expert_intermediate_size:
+        experts = dims.num_experts
+        mlp = dims.experts_per_token * (3 * hidden + 4 * dims.expert_intermediate_size) + experts
+        router = 4 * experts
+    split = (5 * hidden + 2 * kv + mlp) / tensor_parallel_size
+    outside = (element_bytes * 2 * hidden + 2 * hidden * max(element_bytes, 4) + router) / outside_divisor
     return element_bytes * split + outside
 
 
-def _selective_split(dims: TransformerDims) -> float:
-    """Per token, the tensor-parallel outputs selective AC saves: q, k, v, attention, gate and up."""
+def _selective_split(dims: TransformerDims, routed: bool = False) -> float:
+    """Per token, the tensor-parallel outputs selective AC saves: q, k, v, attention, gate and up (an MoE layer:
+    each routed expert's gate-up and down outputs, and the router's logits)."""
+    if routed and dims.num_experts and dims.experts_per_token and dims.expert_intermediate_size:
+        expert = dims.experts_per_token * (2 * dims.expert_intermediate_size + dims.hidden_size) + dims.num_experts
+        return 2 * dims.hidden_size + 2 * dims.kv_size + expert
     return 2 * dims.hidden_size + 2 * dims.kv_size + 2 * dims.intermediate_size

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fabric_hsdp.moe import active_parameters
+from fabric_hsdp.moe import EXPERTS_NAMES, TOP_K_NAMES, active_parameters
 
 _UNIT = re.compile(r"^(.*?\.\d+)\.")
 # module names (the component before ".weight"/".bias") -> how tensor parallelism splits them
@@ -37,6 +37,10 @@ _CONFIG_NAMES = {
     "head_dim": ("head_dim", "head_size"),
     "intermediate_size": ("intermediate_size", "hidden_dim", "ffn_dim", "n_inner"),
     "vocab_size": ("padded_vocab_size", "vocab_size"),
+    "num_experts": EXPERTS_NAMES,
+    "experts_per_token": TOP_K_NAMES,
+    # an expert's MLP width: Qwen3-MoE's and litgpt's own name; Mixtral's experts use intermediate_size
+    "expert_intermediate_size": ("moe_intermediate_size",),
 }
 
 
@@ -78,6 +82,12 @@ class TransformerDims:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    # mixture of experts: experts per MoE layer, the top-k each token is routed to, an expert's MLP width, and how
+    # many of the layers have experts (Qwen3-MoE's mlp_only_layers keep a dense MLP); None for a dense model
+    num_experts: int | None = None
+    experts_per_token: int | None = None
+    expert_intermediate_size: int | None = None
+    expert_layers: int | None = None
 
     @property
     def kv_size(self) -> int:
@@ -118,6 +128,12 @@ class ModelShape:
         """Why the model cannot be split ``tensor_parallel_size`` ways (None if it can)."""
         if tensor_parallel_size == 1:
             return None
+        if self.dims.num_experts:  # the strategy refuses "auto"; how a plan of your own splits experts is unknown
+            return (
+                f"tensor_parallel_size({tensor_parallel_size}): tensor_parallel_plan='auto' has no plan for"
+                f" mixture-of-experts layers ({self.dims.num_experts} experts in {self.dims.expert_layers} layers);"
+                " their experts are sharded by FSDP over the shard dim"
+            )
         for what, count in self.tensor_parallel_heads.items():
             if count % tensor_parallel_size:
                 return f"tensor_parallel_size({tensor_parallel_size}) does not divide {what}({count})"
@@ -136,7 +152,16 @@ class ModelShape:
         heads = "" if dims.num_heads is None else f", {dims.num_heads} heads ({dims.num_kv_heads} key/value)"
         return (
             f"{self.description}: {_count(self.num_parameters)} parameters{self._active()} ({dims.num_layers} layers,"
-            f" hidden {dims.hidden_size}{heads}, intermediate {dims.intermediate_size}, vocabulary {dims.vocab_size})"
+            f" hidden {dims.hidden_size}{heads}, {self._mlp()}, vocabulary {dims.vocab_size})"
+        )
+
+    def _mlp(self) -> str:
+        dims = self.dims
+        if not dims.num_experts:
+            return f"intermediate {dims.intermediate_size}"
+        return (
+            f"{dims.expert_layers} MoE layers of {dims.num_experts} experts, top-{dims.experts_per_token},"
+            f" expert intermediate {dims.expert_intermediate_size}"
         )
 
     def _active(self) -> str:
@@ -179,6 +204,7 @@ def model_shape(
         dims = replace(dims, head_dim=dims.hidden_size // dims.num_heads)
     if dims.num_kv_heads is None and dims.num_heads:
         dims = replace(dims, num_kv_heads=dims.num_heads)
+    dims = _expert_dims(dims, parameters)
     active = active_parameters([(p.name, p.shape) for p in parameters], config)
     if plan_heads is not None:
         return ModelShape(description, tuple(parameters), dims, plan_heads, "the model's tensor-parallel plan", active)
@@ -215,6 +241,16 @@ def _config_dims(config: Any) -> dict[str, int]:
                 found[key] = value
                 break
     return found
+
+
+def _expert_dims(dims: TransformerDims, parameters: list[ParameterShape]) -> TransformerDims:
+    """A model with routed experts (its config names experts and a top-k, its layers hold ``.experts.``
+    parameters): the layers that hold them, and the expert width (Mixtral's config calls it intermediate_size)."""
+    expert_layers = len({p.unit for p in parameters if ".experts." in p.name})
+    if not (dims.num_experts and dims.experts_per_token and expert_layers):
+        return replace(dims, num_experts=None, experts_per_token=None, expert_intermediate_size=None)
+    width = dims.expert_intermediate_size or dims.intermediate_size
+    return replace(dims, expert_intermediate_size=width, expert_layers=expert_layers)
 
 
 def _infer_dims(parameters: list[ParameterShape]) -> TransformerDims:

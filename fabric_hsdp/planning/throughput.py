@@ -8,9 +8,11 @@ accumulation steps (see :mod:`~fabric_hsdp.planning.step`).
 
 Compute, per token (torchtitan's and PaLM's count): ``6 N + 12 L d s`` model FLOPs, ``N`` the parameters that do
 matmuls (every 2-D weight except the token embedding, whose forward is a lookup; the output head counts even when
-tied), ``L`` layers, ``d`` the attention width (heads x head dim), ``s`` the sequence length. The hardware also runs
-the forward again for every checkpointed layer (full AC; selective AC recomputes only element-wise ops, counted as
-none). A device's compute per step is its TP group's tokens' FLOPs over ``T``, at ``device_flops x efficiency``.
+tied; of a mixture-of-experts layer's experts, fused 3-D or one module each, the ``k`` of ``E`` a token is routed
+to: ``k / E`` of their parameters, the active ones), ``L`` layers, ``d`` the attention width (heads x head dim), ``s``
+the sequence length. The hardware also runs the forward again for every checkpointed layer (full AC; selective AC
+recomputes only element-wise ops, counted as none). A device's compute per step is its TP group's tokens' FLOPs over
+``T``, at ``device_flops x efficiency``.
 
 Step time (an estimate, stated in the table): FSDP's gathers and reduce-scatters and the replicas' all-reduce overlap
 with compute, tensor-parallel collectives sit on every layer's critical path, so
@@ -25,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from fabric_hsdp.planning.memory import Training
-from fabric_hsdp.planning.model import ModelShape
+from fabric_hsdp.planning.model import ModelShape, ParameterShape
 from fabric_hsdp.planning.traffic import Traffic
 from fabric_hsdp.topology import TENSOR_DIM, Topology
 
@@ -76,7 +78,13 @@ class Throughput:
 def flops_per_token(model: ModelShape, training: Training) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs incl. recompute) per token of a training step (see the module docstring)."""
     dims = model.dims
-    matmul = sum(p.numel for p in model.parameters if len(p.shape) == 2 and not _is_token_embedding(p.name))
+    matmul = sum(
+        p.numel for p in model.parameters if len(p.shape) == 2 and not _is_token_embedding(p.name) and not _expert(p)
+    )
+    experts = sum(p.numel for p in model.parameters if _expert(p) and len(p.shape) >= 2)
+    if dims.num_experts and dims.experts_per_token:  # a token passes through top-k of each layer's experts
+        experts = experts * dims.experts_per_token // dims.num_experts
+    matmul += experts  # without a top-k (no config): every expert, an upper bound
     if not any(p for p in model.parameters if p.unit == "" and _is_output_head(p.name)):
         matmul += dims.vocab_size * dims.hidden_size  # a tied head still multiplies by the embedding
     width = (dims.num_heads or 0) * (dims.head_dim or 0) or dims.hidden_size
@@ -124,6 +132,10 @@ def throughput(
     per_second = tokens / step
     mfu = per_second * model_flops / (layout.world_size * peak)
     return Throughput(data_parallel, tokens, inter, intra, compute, step, per_second, mfu)
+
+
+def _expert(parameter: ParameterShape) -> bool:
+    return ".experts." in parameter.name
 
 
 def _is_token_embedding(name: str) -> bool:

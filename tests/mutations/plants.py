@@ -684,4 +684,70 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_dryrun.py::test_the_plan_is_compared_with_the_training_forward_not_a_validation_one",),
     ),
+    "32m": Plant(
+        "the activation estimate of an MoE layer follows the routed tokens (#32, plan and dry run)",
+        "each token is counted through one expert, not its top-k",
+        (
+            (
+                "        mlp = dims.experts_per_token * (3 * hidden + 4 * dims.expert_intermediate_size) + experts\n",
+                "        mlp = (3 * hidden + 4 * dims.expert_intermediate_size) + experts\n",
+            ),
+        ),
+        (
+            "tests/planning/test_moe_plan.py::test_moe_layer_estimate_within_15_percent_of_saved_tensors[qwen3_moe-32-8-dtype1]",
+            "tests/planning/test_moe_plan.py::test_activations_follow_the_routed_tokens",
+        ),
+    ),
+    "32n": Plant(
+        "an expert's width is Qwen3-MoE's moe_intermediate_size, not its dense intermediate_size (#32)",
+        "the expert width is always the config's intermediate_size",
+        (
+            (
+                "    width = dims.expert_intermediate_size or dims.intermediate_size\n",
+                "    width = dims.intermediate_size\n",
+            ),
+        ),
+        ("tests/planning/test_moe_plan.py::test_dims_of_published_configs",),
+    ),
+    "32o": Plant(
+        "model FLOPs per token count the active parameters of an MoE model (#32)",
+        "every expert counted in the FLOPs per token",
+        (("        experts = experts * dims.experts_per_token // dims.num_experts\n", "        experts = experts\n"),),
+        (
+            "tests/planning/test_moe_plan.py::test_model_flops_count_the_active_parameters[qwen3_moe]",
+            "tests/planning/test_moe_plan.py::test_model_flops_count_the_active_parameters[litgpt_moe]",
+        ),
+    ),
+    "32p": Plant(
+        "memory and all-gathers hold every expert's shard, not the active ones (#32)",
+        "the FSDP units' sizes leave out the fused expert tensors (3-D)",
+        (
+            (
+                "                numels = [local_numel(p, fsdp_size, tensor_parallel_size) for p in parameters]\n",
+                "                numels = [local_numel(p, fsdp_size, tensor_parallel_size) for p in parameters"
+                " if len(p.shape) < 3]\n",
+            ),
+        ),
+        ("tests/planning/test_moe_plan.py::test_memory_and_all_gathers_hold_every_expert",),
+    ),
+    "32q": Plant(
+        "a model's MoE layers get the routed activation estimate (#32)",
+        "the planner estimates every layer as a dense one",
+        (("    expert_layers = dims.expert_layers or 0\n", "    expert_layers = 0\n"),),
+        ("tests/planning/test_moe_plan.py::test_activations_follow_the_routed_tokens",),
+    ),
+    "32r": Plant(
+        "the planner offers no tensor-parallel layout for an MoE model, as the strategy refuses them (#32)",
+        "MoE models' tensor-parallel layouts are planned (with split dims guessed by name)",
+        (
+            (
+                "        if self.dims.num_experts:  # the strategy refuses",
+                "        if False:  # the strategy refuses",
+            ),
+        ),
+        (
+            "tests/planning/test_moe_plan.py::"
+            "test_tensor_parallel_layouts_of_a_moe_model_are_refused_as_the_strategy_refuses_them",
+        ),
+    ),
 }
