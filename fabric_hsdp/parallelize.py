@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from fabric_hsdp.adapters.init import refuse_unsupported_adapters
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.float8 import Float8Spec, apply_float8, validate_float8
 from fabric_hsdp.fsdp import (
@@ -140,6 +141,7 @@ def set_up_module(
                 f"{type(module).__name__} was already sharded with fully_shard. Pass the plain model to"
                 " fabric.setup_module(model); HybridFSDPStrategy applies fully_shard itself."
             )
+        refuse_unsupported_adapters(module, tensor_parallel=mesh.tensor is not None)
         sharding = FSDPSettings(
             sharded_modules=levers.sharded_modules,
             reshard_after_forward=levers.reshard_after_forward,
