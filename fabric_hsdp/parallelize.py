@@ -26,6 +26,7 @@ from fabric_hsdp.fsdp import (
     FSDPSettings,
     ModulePolicy,
     apply_fsdp,
+    hold_frozen_in_compute_dtype,
     is_sharded,
     mixed_precision_policy,
     module_matcher,
@@ -182,6 +183,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, settings: FSDPSettings, l
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:
         levers.compiled = apply_compile(module, units, levers.compile, tensor_parallel=mesh.tensor is not None)
+    hold_frozen_in_compute_dtype(module, settings.mp_policy)  # a frozen base (LoRA) costs only its bf16 shards
     apply_fsdp(module, units, mesh.fsdp, settings)
     return [name for name, _ in units]
 

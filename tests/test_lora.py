@@ -174,19 +174,20 @@ def train_lora(num_nodes: int, devices: int, kind: str, base: str, out: str, sta
 
 
 def resume_lora(num_nodes: int, devices: int, kind: str, base: str, out: str) -> dict:
-    """On another node count: the base raw-loaded, then each adapter-only checkpoint with ``strict=False``."""
+    """On another node count: the base raw-loaded, then each adapter-only checkpoint with ``strict=False``; and the
+    whole model's full checkpoint (its wrapped names) strictly."""
     from tests.scenarios.common import full_state, make_fabric
 
     fabric = make_fabric(num_nodes, devices)
     resumed = {}
-    for name in ("adapter", "adapter.pth"):
+    for name in ("adapter", "adapter.pth", "full.pth"):
         with fabric.init_module(empty_init=True):
             model = lora_model(kind, seed=3)  # other adapter init: all of it must come from the checkpoint
         model = fabric.setup_module(model)
         fabric.load_raw(base, model)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
         state = {"model": model, "optimizer": optimizer, "step": 0}
-        fabric.load(Path(out) / name, state, strict=False)
+        fabric.load(Path(out) / name, state, strict=name == "full.pth")
         resumed[name] = {
             "state": full_state(model),
             "optimizer_state": _optimizer_state(model, optimizer),
@@ -374,3 +375,51 @@ def test_base_names_of_peft_and_litgpt_models():
     assert names["transformer.h.0.attn.qkv.lora_A"] is None
     assert {name for name in names.values() if name} == set(tiny_litgpt().state_dict())
     assert base_names(tiny_litgpt()) == {}
+
+
+def frozen_base_in_bf16(num_nodes: int, devices: int, base: str) -> dict:
+    """``bf16-mixed``: a peft model's frozen base held in bf16 shards, its adapters in fp32; 3 steps."""
+    from tests.scenarios.common import full_state, make_fabric
+
+    fabric = make_fabric(num_nodes, devices, precision="bf16-mixed")
+    with fabric.init_module(empty_init=True):
+        model = lora_model("peft")
+    model = fabric.setup_module(model)
+    fabric.load_raw(base, model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    data = fabric.strategy.distributed_sampler_kwargs
+    per_rank = GLOBAL_BATCH // data["num_replicas"]
+    rows = slice(per_rank * data["rank"], per_rank * (data["rank"] + 1))
+    initial = full_state(model)
+    losses = _steps(model, optimizer, rows, lambda loss: fabric.backward(loss.float()))
+    shards = {name: param.to_local() for name, param in model.module.named_parameters()}
+    return {
+        "dtypes": {name: shard.dtype for name, shard in shards.items()},
+        "frozen_shard_bytes": sum(s.numel() * s.element_size() for n, s in shards.items() if "lora_" not in n),
+        "optimizer_dtypes": {key: value.dtype for key, value in _optimizer_state(model, optimizer).items()},
+        "initial": initial,
+        "trained": full_state(model),
+        "losses": losses,
+    }
+
+
+@pytest.mark.timeout(400)
+def test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_fp32(tmp_path):
+    base = base_checkpoint("peft", tmp_path)
+    facts = launch("tests.test_lora:frozen_base_in_bf16", {"base": str(base)}, timeout=300).check().values[0]
+    adapters = {name for name in facts["dtypes"] if "lora_" in name}
+    frozen = {name: dtype for name, dtype in facts["dtypes"].items() if name not in adapters}
+    assert adapters and set(frozen.values()) == {torch.bfloat16}  # no fp32 master copy of the base
+    assert {facts["dtypes"][name] for name in adapters} == {torch.float32}
+    assert {dtype for key, dtype in facts["optimizer_dtypes"].items() if not key.endswith(".step")} == {torch.float32}
+    base_state = {f"base_model.model.{k}": v for k, v in base_model("peft", base).state_dict().items()}
+    expected_bytes = sum(v.numel() for v in base_state.values()) * 2 // 2  # 2 bytes (bf16), over 2 shard ranks
+    print(f"frozen base: {facts['frozen_shard_bytes']} bytes per rank (bf16), fp32 would be {2 * expected_bytes}")
+    assert facts["frozen_shard_bytes"] == expected_bytes
+    for name, value in facts["trained"].items():
+        if "lora_" in name:
+            continue
+        wrapped = name.replace(".base_layer.", ".")
+        assert torch.equal(value, base_state[wrapped].to(torch.bfloat16)), name  # loaded, and never changed
+    assert any(facts["trained"][n].ne(facts["initial"][n]).any() for n in adapters if "lora_B" in n)
+    assert all(torch.isfinite(torch.tensor(facts["losses"])))

@@ -425,4 +425,62 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/checkpoint/test_save_load.py::test_resuming_another_models_checkpoint_names_both_sides",),
     ),
+    "33a": Plant(
+        "a base checkpoint loads into a LoRA model by the base names (#33)",
+        "the wrapper's base-layer name (peft's base_layer, litgpt's linear) kept in the names matched",
+        (
+            (
+                "            if part != wrapper.inner:\n                kept.append(part)\n",
+                "            kept.append(part)\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+    ),
+    "33b": Plant(
+        "adapters made real from meta get their library's init (#33)",
+        "no adapter init after materialisation: peft's lora_B keeps the transformers init (not zero)",
+        (("    initialize_adapters(module, owners)  #", "    pass  #"),),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+    ),
+    "33c": Plant(
+        "adapters are optional in a strict raw load of the base (#33)",
+        "adapters counted as missing: a strict load of the base checkpoint raises",
+        (("    match.missing = [key for key in match.missing if key not in optional]\n", ""),),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+    ),
+    "33d": Plant(
+        "the peft export holds peft's own key names (#33)",
+        "the adapters handed to peft's save_pretrained without the base_model.model. prefix",
+        (
+            (
+                "module.save_pretrained(str(staged), state_dict=adapters)",
+                "module.save_pretrained(str(staged), state_dict={k.removeprefix('base_model.model.'): v for k, v in"
+                " adapters.items()})",
+            ),
+        ),
+        ("tests/test_lora.py::test_peft_export_loads_in_peft_and_gives_the_trained_logits",),
+    ),
+    "33e": Plant(
+        "LoRA is refused under tensor parallelism, with the reason (#33)",
+        "no refusal: tensor parallelism would split base layers but not their adapters",
+        (("    if tensor_parallel:\n        raise ValueError(", "    if False:\n        raise ValueError("),),
+        ("tests/test_lora.py::test_lora_is_refused_under_tensor_parallelism_with_the_reason",),
+    ),
+    "33f": Plant(
+        "a checkpoint of the LoRA model itself (wrapped names) loads back (#33)",
+        "checkpoint keys not renamed like the model's: a full save's base_layer names match nothing",
+        (
+            (
+                "        return None if renamed is None else load_name.get(renamed, renamed)\n",
+                "        return renamed\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_adapter_only_checkpoint_is_small_and_resumes_on_another_node_count",),
+    ),
+    "33g": Plant(
+        "a frozen base costs only its bf16 shards under bf16-mixed (#33)",
+        "frozen parameters kept in their fp32 build dtype: an fp32 master copy of a base that never changes",
+        (("    hold_frozen_in_compute_dtype(module, settings.mp_policy)  #", "    pass  #"),),
+        ("tests/test_lora.py::test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_fp32",),
+    ),
 }
