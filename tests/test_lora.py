@@ -396,6 +396,7 @@ def frozen_base_in_bf16(num_nodes: int, devices: int, base: str) -> dict:
     return {
         "dtypes": {name: shard.dtype for name, shard in shards.items()},
         "frozen_shard_bytes": sum(s.numel() * s.element_size() for n, s in shards.items() if "lora_" not in n),
+        "shard_bytes": sum(s.numel() * s.element_size() for s in shards.values()),
         "optimizer_dtypes": {key: value.dtype for key, value in _optimizer_state(model, optimizer).items()},
         "initial": initial,
         "trained": full_state(model),
@@ -405,6 +406,9 @@ def frozen_base_in_bf16(num_nodes: int, devices: int, base: str) -> dict:
 
 @pytest.mark.timeout(400)
 def test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_fp32(tmp_path):
+    from fabric_hsdp.planning import Training, model_shape_of_module
+    from fabric_hsdp.planning.memory import memory_per_device
+
     base = base_checkpoint("peft", tmp_path)
     facts = launch("tests.test_lora:frozen_base_in_bf16", {"base": str(base)}, timeout=300).check().values[0]
     adapters = {name for name in facts["dtypes"] if "lora_" in name}
@@ -416,6 +420,9 @@ def test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_
     expected_bytes = sum(v.numel() for v in base_state.values()) * 2 // 2  # 2 bytes (bf16), over 2 shard ranks
     print(f"frozen base: {facts['frozen_shard_bytes']} bytes per rank (bf16), fp32 would be {2 * expected_bytes}")
     assert facts["frozen_shard_bytes"] == expected_bytes
+    # the planner (shard_size="auto", fabric-hsdp plan) counts what the strategy holds
+    planned = memory_per_device(model_shape_of_module(lora_model("peft")), Training("bf16-mixed"), 2, 1)
+    assert planned.parameters == facts["shard_bytes"]
     for name, value in facts["trained"].items():
         if "lora_" in name:
             continue
@@ -423,3 +430,30 @@ def test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_
         assert torch.equal(value, base_state[wrapped].to(torch.bfloat16)), name  # loaded, and never changed
     assert any(facts["trained"][n].ne(facts["initial"][n]).any() for n in adapters if "lora_B" in n)
     assert all(torch.isfinite(torch.tensor(facts["losses"])))
+
+
+def test_the_planner_counts_a_frozen_base_without_gradients_or_optimizer_state():
+    from fabric_hsdp.planning import Training, Workload, model_shape_of_module
+    from fabric_hsdp.planning.memory import memory_per_device
+    from fabric_hsdp.planning.traffic import traffic_per_step
+    from fabric_hsdp.topology import Topology
+
+    model = lora_model("peft")
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    lora = model_shape_of_module(model)
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    everything = model_shape_of_module(model)
+    training = Training("bf16-mixed", Workload(optimizer="adamw"))
+    planned, planned_full = (memory_per_device(shape, training, 2, 1) for shape in (lora, everything))
+    # every dim 0 of this model is even: a shard rank holds half of each tensor
+    trainable = sum(p.numel() for p in adapters) // 2
+    frozen = sum(p.numel() for p in model.parameters()) // 2 - trainable
+    assert planned.parameters == 4 * trainable + 2 * frozen  # the base in bf16, the adapters in fp32
+    assert planned.gradients == 4 * trainable
+    assert planned.optimizer == 2 * 4 * trainable + 4 * len(adapters)  # AdamW's moments and step counters
+    assert planned_full.parameters == 4 * (trainable + frozen) and planned_full.gradients == 4 * (trainable + frozen)
+    assert "trainable" in lora.summary() and "trainable" not in everything.summary()
+    layout = Topology(num_nodes=2, ranks_per_node=2, shard_size=2)
+    lora_traffic, full_traffic = (traffic_per_step(shape, training, layout) for shape in (lora, everything))
+    assert lora_traffic.inter_node_bytes < full_traffic.inter_node_bytes  # only the adapters' gradients cross

@@ -483,4 +483,16 @@ PLANTS: dict[str, Plant] = {
         (("    hold_frozen_in_compute_dtype(module, settings.mp_policy)  #", "    pass  #"),),
         ("tests/test_lora.py::test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_fp32",),
     ),
+    "33h": Plant(
+        "the planner counts a frozen base without gradients or optimizer state (#33)",
+        "every parameter counted as trainable: gradients and AdamW state for the frozen base too",
+        (
+            (
+                'parameters.append(ParameterShape(name, shape, match.group(1) if match else "", split, name not in'
+                " frozen))",
+                'parameters.append(ParameterShape(name, shape, match.group(1) if match else "", split, True))',
+            ),
+        ),
+        ("tests/test_lora.py::test_the_planner_counts_a_frozen_base_without_gradients_or_optimizer_state",),
+    ),
 }
