@@ -8,6 +8,7 @@ resumed exactly on 1 x 2, and the adapters exported in each library's format and
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -457,3 +458,47 @@ def test_the_planner_counts_a_frozen_base_without_gradients_or_optimizer_state()
     layout = Topology(num_nodes=2, ranks_per_node=2, shard_size=2)
     lora_traffic, full_traffic = (traffic_per_step(shape, training, layout) for shape in (lora, everything))
     assert lora_traffic.inter_node_bytes < full_traffic.inter_node_bytes  # only the adapters' gradients cross
+
+
+def _example_source(kind: str, directory: Path) -> Path:
+    """A tiny base checkpoint directory as ``examples/finetune.py`` takes it (no tokenizer: byte tokens)."""
+    source = directory / f"tiny-{kind}"
+    if kind == "transformers":
+        tiny_hf_llama(seed=5).save_pretrained(source)
+        return source
+    from litgpt.utils import save_config
+
+    source.mkdir()
+    save_config(litgpt_config(), source)
+    torch.save(tiny_litgpt(seed=5).state_dict(), source / "lit_model.pth")
+    return source
+
+
+@pytest.mark.timeout(600)  # two launches of up to 240 s
+@pytest.mark.parametrize("kind", ["transformers", "litgpt"])
+def test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and_exports(tmp_path, kind):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from examples.check_export import check_export
+
+    source, out_dir = _example_source(kind, tmp_path), tmp_path / "out"
+    args = {"checkpoint_dir": str(source), "out_dir": str(out_dir), "max_steps": 4, "save_every": 2, "seq_len": 16}
+    args.update(batch_size=2, learning_rate=1e-2, lora_r=4)
+    output = launch("tests.scenarios.finetune:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
+    assert "LoRA r=4" in output
+    stored = FileSystemReader(str(out_dir / "checkpoints" / "step-000002")).read_metadata().state_dict_metadata
+    model_keys = [key for key in stored if key.startswith("model.")]
+    assert model_keys and all("lora_" in key for key in model_keys)  # the adapters only
+    assert any(key.startswith("optimizer.state.") for key in stored)
+    record = torch.load(out_dir / "export_check.pt", weights_only=True)
+    result = check_export(record, prompt="Four", new_tokens=8)  # the export loaded by peft / litgpt onto the base
+    print(f"{kind} --lora_r 4: {result}")
+    assert result.max_logit_diff <= 1e-5 and result.loss_diff < 1e-5
+    assert result.val_loss < result.val_loss_before
+
+    shutil.rmtree(out_dir / "checkpoints" / "step-000004")
+    shutil.rmtree(out_dir / "export")
+    output = launch("tests.scenarios.finetune:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
+    assert f"resumed from {out_dir / 'checkpoints' / 'step-000002'} (step 2)" in output
+    resumed = torch.load(out_dir / "export_check.pt", weights_only=True)["validation"]["val_loss"]
+    assert resumed == record["validation"]["val_loss"]  # the adapters and AdamW state came back exactly

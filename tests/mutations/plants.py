@@ -495,4 +495,10 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_lora.py::test_the_planner_counts_a_frozen_base_without_gradients_or_optimizer_state",),
     ),
+    "33i": Plant(
+        "examples/finetune.py --lora_r keeps adapter-only checkpoints (#33)",
+        "the adapter filter left out of the periodic saves: every checkpoint holds the whole frozen base",
+        (("        fabric.save(path, state, filter=adapters_only)\n", "        fabric.save(path, state)\n"),),
+        ("tests/test_lora.py::test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and_exports",),
+    ),
 }
