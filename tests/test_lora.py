@@ -175,11 +175,11 @@ def train_lora(num_nodes: int, devices: int, kind: str, base: str, out: str, sta
 
 
 def resume_lora(num_nodes: int, devices: int, kind: str, base: str, out: str) -> dict:
-    """On another node count: the base raw-loaded, then each adapter-only checkpoint with ``strict=False``; and the
-    whole model's full checkpoint (its wrapped names) strictly."""
+    """On another node count, rank 0 reading consolidated files: the base raw-loaded, then each adapter-only
+    checkpoint with ``strict=False``; and the whole model's full checkpoint (its wrapped names) strictly."""
     from tests.scenarios.common import full_state, make_fabric
 
-    fabric = make_fabric(num_nodes, devices)
+    fabric = make_fabric(num_nodes, devices, load_mode="rank0")  # the other reading path (2 x 2 read in slices)
     resumed = {}
     for name in ("adapter", "adapter.pth", "full.pth"):
         with fabric.init_module(empty_init=True):
