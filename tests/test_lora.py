@@ -123,7 +123,7 @@ def _is_adapter(name: str, value: object) -> bool:
 def train_lora(num_nodes: int, devices: int, kind: str, base: str, out: str, state_dict_type: str) -> dict:
     """Meta init, strict raw load of the base, 3 steps; an adapter-only save and a whole one (``adapter``, ``full``;
     ``.pth`` files with ``state_dict_type="full"``) and, sharded, the library's export."""
-    from fabric_hsdp.adapters import export_litgpt_adapter, export_peft_adapter
+    from fabric_hsdp.adapters import export_litgpt_adapter, export_merged, export_peft_adapter
     from tests.scenarios.common import full_state, make_fabric
 
     fabric = make_fabric(num_nodes, devices, state_dict_type=state_dict_type)
@@ -157,8 +157,10 @@ def train_lora(num_nodes: int, devices: int, kind: str, base: str, out: str, sta
     fabric.save(out / f"full{suffix}", state)
     if kind == "peft" and not suffix:
         export_peft_adapter(model, out / "peft-adapter")
+        export_merged(model, out / "merged")
     elif not suffix:
         export_litgpt_adapter(model, out / "lit_model.pth.lora")
+        export_merged(model, out / "merged.pth")
     with torch.no_grad():
         trained_logits = logits_of(model, inputs).detach().clone()
     return {
@@ -338,6 +340,37 @@ def test_litgpt_adapter_file_loads_in_litgpt_and_gives_the_trained_logits(lora_r
     with torch.no_grad():
         difference = (logits_of(reference, inputs) - run["ranks"][0]["trained_logits"]).abs().max().item()
     print(f"litgpt adapter file: max |logits - trained logits| = {difference:.3g}")
+    assert difference <= 1e-5
+
+
+@pytest.mark.timeout(2000)
+@pytest.mark.parametrize("kind", ["peft", "litgpt"])
+def test_merged_export_equals_the_librarys_own_merge_and_loads_as_the_base_model(lora_runs, kind):
+    run = lora_runs[kind]
+    inputs, _ = batch(GLOBAL_BATCH, seed=7)
+    if kind == "peft":
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(run["out"] / "merged")  # a plain transformers model
+        library = PeftModel.from_pretrained(base_model(kind, run["base"]), run["out"] / "peft-adapter")
+        expected = library.merge_and_unload().state_dict()
+    else:
+        from litgpt.lora import merge_lora_weights
+
+        merged = tiny_litgpt()
+        merged.load_state_dict(torch.load(run["out"] / "merged.pth", weights_only=True))  # strict: litgpt's GPT
+        library = lora_from_base(kind, run["base"])
+        library.load_state_dict(torch.load(run["out"] / "lit_model.pth.lora", weights_only=True)["model"], strict=False)
+        merge_lora_weights(library)  # litgpt's own merge, then its base names as its merge_lora script saves them
+        expected = {k.replace(".linear.", "."): v for k, v in library.state_dict().items() if "lora_" not in k}
+    state = merged.state_dict()
+    assert state.keys() == expected.keys()
+    unequal = [name for name, value in state.items() if not torch.equal(value, expected[name])]
+    assert unequal == [], unequal[:3]  # bit for bit what the library's merge gives
+    with torch.no_grad():
+        difference = (logits_of(merged, inputs) - run["ranks"][0]["trained_logits"]).abs().max().item()
+    print(f"{kind} merged export: max |logits - trained logits| = {difference:.3g}")
     assert difference <= 1e-5
 
 

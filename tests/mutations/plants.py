@@ -501,4 +501,15 @@ PLANTS: dict[str, Plant] = {
         (("        fabric.save(path, state, filter=adapters_only)\n", "        fabric.save(path, state)\n"),),
         ("tests/test_lora.py::test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and_exports",),
     ),
+    "33j": Plant(
+        "the merged export folds the trained adapters into the base (#33)",
+        "the litgpt delta dropped when a query/key/value subset is adapted: qkv written as the base's",
+        (
+            (
+                "            return layer.get_lora_AB()\n",
+                "            return None if not all(layer.enable_lora) else layer.get_lora_AB()\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_merged_export_equals_the_librarys_own_merge_and_loads_as_the_base_model",),
+    ),
 }
