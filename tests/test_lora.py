@@ -535,3 +535,48 @@ def test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and
     assert f"resumed from {out_dir / 'checkpoints' / 'step-000002'} (step 2)" in output
     resumed = torch.load(out_dir / "export_check.pt", weights_only=True)["validation"]["val_loss"]
     assert resumed == record["validation"]["val_loss"]  # the adapters and AdamW state came back exactly
+
+
+def test_peft_modules_to_save_is_refused_on_meta_with_what_works():
+    from peft import LoraConfig, get_peft_model
+
+    from fabric_hsdp.adapters.init import refuse_unsupported_adapters
+    from fabric_hsdp.materialize import parameters_on_meta
+
+    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with parameters_on_meta():
+        model = get_peft_model(tiny_hf_llama(), config)
+    with pytest.raises(ValueError, match=r"ModulesToSaveWrapper at .*lm_head.*Leave modules_to_save out"):
+        refuse_unsupported_adapters(model, tensor_parallel=False)
+    refuse_unsupported_adapters(get_peft_model(tiny_hf_llama(), config), tensor_parallel=False)  # real: fine
+
+
+def merge_that_fails(num_nodes: int, devices: int, out: str) -> dict:
+    """``export_merged`` where the library's delta raises on every rank: each rank must raise, none wait."""
+    from litgpt.lora import LoRALinear
+
+    from fabric_hsdp.adapters import export_merged
+    from tests.scenarios.common import make_fabric
+
+    fabric = make_fabric(num_nodes, devices)
+    with fabric.init_module(empty_init=True):
+        model = lora_model("litgpt")
+    model = fabric.setup_module(model)
+
+    def broken(self: Any) -> torch.Tensor:
+        raise RuntimeError("planted failure in get_lora_AB")
+
+    LoRALinear.get_lora_AB = broken
+    try:
+        export_merged(model, Path(out) / "merged.pth")
+    except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+        return {"error": f"{type(error).__name__}: {error}", "written": (Path(out) / "merged.pth").exists()}
+    return {"error": None}
+
+
+@pytest.mark.timeout(200)
+def test_a_merge_that_fails_ends_every_rank_with_the_error(tmp_path):
+    args = {"out": str(tmp_path)}
+    result = launch("tests.test_lora:merge_that_fails", args, num_nodes=1, ranks_per_node=2, timeout=150).check()
+    for facts in result.values:
+        assert facts["error"] == "RuntimeError: planted failure in get_lora_AB" and not facts["written"], facts

@@ -10,11 +10,13 @@ its ``reset_parameters()``.
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from fabric_hsdp.adapters.names import Wrapper, wrappers_of
 
-# init_lora_weights values that peft computes from the base weights (or data): not available before they are loaded
+# init_lora_weights values that need no base weights (random draws, constants): the ones possible on the meta device
 _PEFT_RANDOM_INITS = (True, False, "gaussian")
 
 
@@ -42,6 +44,7 @@ def refuse_unsupported_adapters(module: nn.Module, tensor_parallel: bool) -> Non
     Raises:
         ValueError: naming the layer, the setting and what works instead.
     """
+    _refuse_copies_of_base_modules(module)
     wrappers = wrappers_of(module)
     if not wrappers:
         return
@@ -68,6 +71,23 @@ def refuse_unsupported_adapters(module: nn.Module, tensor_parallel: bool) -> Non
                     " cannot be initialised at setup. Use init_lora_weights=True or 'gaussian', or build the model"
                     " with its weights loaded (empty_init=False)."
                 )
+
+
+def _refuse_copies_of_base_modules(module: nn.Module) -> None:
+    """peft's ``modules_to_save`` and ``trainable_token_indices`` train a copy of a base module, taken when the
+    model is wrapped: on the meta device that copy has no values, and the base's are loaded into the original only."""
+    peft_other = sys.modules.get("peft.utils.other")
+    wrapper_class = getattr(peft_other, "AuxiliaryTrainingWrapper", None)
+    if wrapper_class is None:
+        return
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrapper_class) and any(t.is_meta for t in sub.parameters()):
+            raise ValueError(
+                f"peft's {type(sub).__name__} at {name!r} (LoraConfig(modules_to_save=...) or trainable_token_indices)"
+                " trains a copy of a base module taken when the model was wrapped, which on the meta device"
+                " (fabric.init_module(empty_init=True)) holds no values and is not filled by fabric.load_raw. Leave"
+                " modules_to_save out (train adapters only), or build the model with empty_init=False."
+            )
 
 
 def initialize_adapters(module: nn.Module, owners: list[nn.Module]) -> list[str]:

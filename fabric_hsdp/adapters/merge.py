@@ -135,8 +135,15 @@ def export_merged(
             finally:
                 _announce(None)  # releases the other ranks, also when writing failed
         else:
+            failed: Exception | None = None
             while (index := _announce(None)) is not None:
-                _merged(*entries[order[index]])
+                if failed is None:  # after a failure, follow rank 0 to its end (it fails at the same tensor)
+                    try:
+                        _merged(*entries[order[index]])
+                    except Exception as error:  # noqa: BLE001 - raised below, once rank 0 has stopped asking
+                        failed = error
+            if failed is not None:
+                raise failed
     return written
 
 

@@ -134,6 +134,12 @@ def load_names(
         return LoadNames(targets, tied, fused, key_map)
     load_name = {key: key if name is None else name for key, name in names.items()}
     model_key = {name: key for key, name in load_name.items() if name != key}
+    if len(set(load_name.values())) != len(load_name):
+        twice = sorted({name for name in load_name.values() if list(load_name.values()).count(name) > 1})
+        raise ValueError(
+            f"{type(module).__name__}: several tensors have the same base-model name once the LoRA wrappers' names"
+            f" are dropped ({twice[:3]}): which one a base checkpoint fills is ambiguous. Pass key_map= to load it."
+        )
     rename = make_key_map(key_map)
 
     def to_load_name(key: str) -> str | None:

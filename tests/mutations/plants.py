@@ -507,9 +507,23 @@ PLANTS: dict[str, Plant] = {
         (
             (
                 "            return layer.get_lora_AB()\n",
-                "            return None if not all(layer.enable_lora) else layer.get_lora_AB()\n",
+                "            return None if not all(getattr(layer, 'enable_lora', [True])) else layer.get_lora_AB()\n",
             ),
         ),
         ("tests/test_lora.py::test_merged_export_equals_the_librarys_own_merge_and_loads_as_the_base_model",),
+    ),
+    "33k": Plant(
+        "a merged export that fails ends every rank with the error (#33)",
+        "the other ranks leave rank 0's request loop at the failure: rank 0's end-of-export message finds them in"
+        " the failure exchange, and every rank waits",
+        (
+            (
+                "                if failed is None:  # after a failure, follow rank 0 to its end (it fails at the same"
+                " tensor)\n                    try:\n                        _merged(*entries[order[index]])\n",
+                "                _merged(*entries[order[index]])\n                if False:\n                    try:\n"
+                "                        pass\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_a_merge_that_fails_ends_every_rank_with_the_error",),
     ),
 }
