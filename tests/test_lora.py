@@ -580,3 +580,15 @@ def test_a_merge_that_fails_ends_every_rank_with_the_error(tmp_path):
     result = launch("tests.test_lora:merge_that_fails", args, num_nodes=1, ranks_per_node=2, timeout=150).check()
     for facts in result.values:
         assert facts["error"] == "RuntimeError: planted failure in get_lora_AB" and not facts["written"], facts
+
+
+def test_two_tensors_with_one_base_name_are_refused_as_ambiguous():
+    from litgpt.lora import LoRALinear
+
+    from fabric_hsdp.adapters.names import load_names
+
+    model = torch.nn.Sequential(LoRALinear(8, 8, r=2, lora_alpha=4))
+    model[0].register_parameter("weight", torch.nn.Parameter(torch.zeros(8, 8)))  # "0.weight" and "0.linear.weight"
+    targets = model.state_dict()
+    with pytest.raises(ValueError, match=r"same base-model name .*'0.weight'.*key_map="):
+        load_names(model, targets, {key: key for key in targets}, {}, None)

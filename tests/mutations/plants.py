@@ -526,4 +526,16 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_lora.py::test_a_merge_that_fails_ends_every_rank_with_the_error",),
     ),
+    "33l": Plant(
+        "peft's copies of base modules (modules_to_save) refused on meta (#33)",
+        "no check: the copy keeps the values of no checkpoint, silently",
+        (("    _refuse_copies_of_base_modules(module)\n", ""),),
+        ("tests/test_lora.py::test_peft_modules_to_save_is_refused_on_meta_with_what_works",),
+    ),
+    "33m": Plant(
+        "two wrapped names for one base name are refused (#33)",
+        "no check: one of the two tensors is silently left out of the load",
+        (("    if len(set(load_name.values())) != len(load_name):\n", "    if False:\n"),),
+        ("tests/test_lora.py::test_two_tensors_with_one_base_name_are_refused_as_ambiguous",),
+    ),
 }
