@@ -12,6 +12,10 @@ the settings it was computed with, and its logits for one validation sequence). 
 4. generates a few tokens greedily with the library's own generation (litgpt's ``generate``, transformers'
    ``model.generate``) and decodes them.
 
+A LoRA run (``finetune.py --lora_r``) exported its adapters only: they are loaded onto the base from the run's
+``--checkpoint_dir`` by peft (``PeftModel.from_pretrained``) or litgpt (``lora.GPT`` given both state dicts), with the
+base's tokenizer.
+
 It exits 1 if the logits or the loss differ by more than the tolerances.
 
     python examples/check_export.py --out_dir out/finetune
@@ -62,6 +66,29 @@ class ExportCheck:
         return abs(self.val_loss - self.fine_tuned_val_loss)
 
 
+def load_adapters(record: dict[str, Any]) -> tuple[str, nn.Module, TextTokenizer]:
+    """A LoRA run's export (``finetune.py --lora_r``): the base from the source checkpoint, the adapters on top, as
+    each library loads them: peft's ``PeftModel.from_pretrained``, litgpt's ``lora.GPT`` given the base and the
+    ``lit_model.pth.lora`` state dicts."""
+    fmt, source, export_dir = record["format"], Path(record["source"]), Path(record["export"])
+    if fmt == "litgpt":
+        from litgpt.lora import GPT, Config
+
+        model = GPT(Config.from_file(source / "model_config.yaml", **record["validation"]["lora"]))
+        model.load_state_dict(torch.load(source / "lit_model.pth", weights_only=True), strict=False)
+        adapters = torch.load(export_dir / "lit_model.pth.lora", weights_only=True)["model"]
+        missing, unexpected = model.load_state_dict(adapters, strict=False)
+        if unexpected or any("lora_" in key for key in missing):
+            raise ValueError(f"{export_dir / 'lit_model.pth.lora'} does not fit the model: {unexpected or missing}")
+    else:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), export_dir)
+    model.eval()
+    return fmt, model, load_tokenizer(fmt, source, vocab_size_of(model))
+
+
 def load_export(export_dir: Path) -> tuple[str, nn.Module, TextTokenizer]:
     """``(format, model in eval mode, tokenizer)`` of an export, loaded by litgpt or transformers themselves."""
     fmt = detect_format(export_dir)
@@ -109,7 +136,8 @@ def generate(fmt: str, model: nn.Module, tokenizer: TextTokenizer, prompt: str, 
 @torch.no_grad()
 def check_export(record: dict[str, Any], prompt: str = "Four score and seven", new_tokens: int = 16) -> ExportCheck:
     """Reload ``record["export"]`` and measure it against the fine-tuned model (``record``: an export_check.pt)."""
-    fmt, model, tokenizer = load_export(Path(record["export"]))
+    lora = "lora" in record["validation"]
+    fmt, model, tokenizer = load_adapters(record) if lora else load_export(Path(record["export"]))
     max_logit_diff = (logits_of(model, record["tokens"]).float() - record["logits"]).abs().max().item()
     settings = record["validation"]
     documents = read_documents(Path(settings["data"]), settings["text_key"])

@@ -40,6 +40,13 @@ Launch (``--devices``/``--num_nodes`` default to what torchrun, SLURM's srun or 
     srun python examples/finetune.py --checkpoint_dir checkpoints/meta-llama/Llama-3.2-1B --precision bf16-mixed
     python examples/finetune.py --accelerator cpu --devices 2 --checkpoint_dir ...   # Fabric starts the processes
 
+With ``--lora_r R`` the job fine-tunes LoRA adapters of rank R on every linear layer of the blocks (litgpt's
+``lora.GPT``; peft's ``get_peft_model`` around the transformers model), the base frozen and loaded from
+``--checkpoint_dir`` as above (no key map: the strategy knows the wrappers' names). Its checkpoints hold the adapters
+and their optimizer state only (``fabric.save(filter=...)``; resumed onto the base with ``strict=False``), and the
+export is the adapters in the library's format: a peft adapter directory (``PeftModel.from_pretrained(base, export)``)
+or litgpt's ``lit_model.pth.lora``; ``examples/check_export.py`` loads the base and the adapters and compares.
+
 Options: ``python examples/finetune.py --help``; a YAML file: ``--config examples/configs/finetune.yaml``.
 """
 
@@ -65,6 +72,7 @@ sys.path.insert(0, str(EXAMPLES.parent))  # `examples.launching` without install
 from examples.launching import devices_and_nodes, launched_by_fabric_cli  # noqa: E402
 from examples.retention import keep_last, newest_complete, point_latest, why_incomplete  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
+from fabric_hsdp.adapters import adapter_keys  # noqa: E402
 from fabric_hsdp.preemption import Preemption  # noqa: E402
 
 Format = Literal["litgpt", "transformers"]
@@ -100,9 +108,29 @@ def weights_of(fmt: Format, checkpoint_dir: Path) -> Path:
     return checkpoint_dir / "lit_model.pth" if fmt == "litgpt" else checkpoint_dir
 
 
-def build_model(fmt: Format, checkpoint_dir: Path) -> nn.Module:
-    """The model of the checkpoint's architecture, untrained; call it inside ``fabric.init_module(empty_init=True)``."""
+def lora_settings(lora_r: int, lora_alpha: int) -> dict[str, Any]:
+    """litgpt's ``lora.Config`` fields for LoRA of rank ``lora_r`` on every linear layer of the blocks."""
+    return {"lora_r": lora_r, "lora_alpha": lora_alpha, "lora_query": True, "lora_key": True, "lora_value": True,
+            "lora_projection": True, "lora_mlp": True}  # fmt: skip
+
+
+def build_model(fmt: Format, checkpoint_dir: Path, lora_r: int = 0, lora_alpha: int = 16) -> nn.Module:
+    """The model of the checkpoint's architecture, untrained; call it inside ``fabric.init_module(empty_init=True)``.
+
+    With ``lora_r > 0``: LoRA adapters of that rank on every linear layer of the blocks, the rest frozen (litgpt's
+    ``lora.GPT`` with ``mark_only_lora_as_trainable``; peft's ``get_peft_model`` with ``target_modules="all-linear"``).
+    """
     if fmt == "litgpt":
+        if lora_r:
+            from litgpt.lora import GPT as LoRAGPT
+            from litgpt.lora import Config as LoRAConfig
+            from litgpt.lora import mark_only_lora_as_trainable
+
+            model = LoRAGPT(
+                LoRAConfig.from_file(checkpoint_dir / "model_config.yaml", **lora_settings(lora_r, lora_alpha))
+            )
+            mark_only_lora_as_trainable(model)
+            return model
         from litgpt import GPT, Config
 
         return GPT(Config.from_file(checkpoint_dir / "model_config.yaml"))
@@ -112,7 +140,12 @@ def build_model(fmt: Format, checkpoint_dir: Path) -> nn.Module:
     config = AutoConfig.from_pretrained(checkpoint_dir)
     # Fabric's precision sets the default dtype (bf16 under "bf16-true"); transformers would take config.json's
     dtype_argument = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    return AutoModelForCausalLM.from_config(config, **{dtype_argument: torch.get_default_dtype()})
+    model = AutoModelForCausalLM.from_config(config, **{dtype_argument: torch.get_default_dtype()})
+    if lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules="all-linear"))
+    return model
 
 
 def vocab_size_of(model: nn.Module) -> int:
@@ -434,6 +467,8 @@ def main(
     export: bool = True,
     export_max_shard_size: str = "5GB",
     parallel: Parallelism = Parallelism(),  # noqa: B008 - jsonargparse copies the default
+    lora_r: int = 0,
+    lora_alpha: int = 16,
     accelerator: str = "auto",
     devices: int | str = "auto",
     num_nodes: int | None = None,
@@ -469,6 +504,11 @@ def main(
         export: At the end, write the model in the source's format to ``out_dir/export`` (see the module docstring).
         export_max_shard_size: Largest safetensors file of a transformers export (larger models get an index).
         parallel: Sharding options (``--parallel.shard_size``, ``--parallel.activation_checkpointing``, ...).
+        lora_r: Rank of LoRA adapters on every linear layer of the blocks, the base frozen (0: fine-tune every
+            weight). Checkpoints then hold the adapters and their optimizer state only (resumed onto the base read
+            from ``checkpoint_dir``), and the export is the adapters in the library's format: a peft adapter
+            directory (``PeftModel.from_pretrained``) or litgpt's ``lit_model.pth.lora``.
+        lora_alpha: LoRA's scaling numerator (the update is scaled by ``lora_alpha / lora_r``).
         accelerator: ``cpu``, ``cuda`` or ``auto``.
         devices: Ranks per node; ``auto`` takes torchrun's/srun's/mpirun's value, or ``fabric run --devices``.
         num_nodes: Nodes; unset takes the launcher's value (or ``fabric run --num-nodes``), else 1.
@@ -489,15 +529,24 @@ def main(
 
     started = time.perf_counter()
     with fabric.init_module(empty_init=True):
-        model = build_model(fmt, checkpoint_dir)
+        model = build_model(fmt, checkpoint_dir, lora_r, lora_alpha)
     layer_names = layers.find(model)
     tied = tied_aliases(model)
     parameters = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapters = set(adapter_keys(model))
     fabric.print(
         f"{fmt} model from '{checkpoint_dir}': {type(model).__name__}, {parameters:,} parameters, built on the meta"
         f" device; layers found for sharding (the layers of its nn.ModuleLists): {layers.count} x {layer_names}"
         + (", with activation checkpointing" if parallel.activation_checkpointing else "")
+        + (
+            f"; LoRA r={lora_r}: {trainable:,} trainable parameters in {len(adapters)} adapter tensors"
+            if lora_r
+            else ""
+        )
     )
+    # LoRA: checkpoints hold the adapters (and their optimizer state) only; the base is read from checkpoint_dir
+    adapters_only = {"model": lambda name, value: name in adapters} if lora_r else None
     tokenizer = load_tokenizer(fmt, checkpoint_dir, vocab_size_of(model))
     fabric.print(f"tokenizer: {tokenizer.describe()}")
     context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", seq_len)
@@ -514,7 +563,9 @@ def main(
 
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(
-        torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+        torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=learning_rate, weight_decay=weight_decay
+        )
     )
     data_rank, data_ranks = data_parallel_rank(fabric)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0, "source": str(checkpoint_dir)}
@@ -523,7 +574,9 @@ def main(
     checkpoint = resume_from(fabric, checkpoints, resume)
     if checkpoint is not None:
         begun = time.perf_counter()
-        fabric.load(checkpoint, state)
+        if lora_r:  # an adapter-only checkpoint: the frozen base from its own checkpoint first
+            fabric.load_raw(weights_of(fmt, checkpoint_dir), model)
+        fabric.load(checkpoint, state, strict=not lora_r)
         fabric.print(f"resumed from {checkpoint} (step {state['step']}) in {time.perf_counter() - begun:.2f} s")
         grad_accumulation = keep_global_batch(fabric, state, batch_size, data_ranks, grad_accumulation)
     else:
@@ -554,7 +607,7 @@ def main(
         if parallel.async_save and saved:
             strategy.wait_for_checkpoint()  # the previous one is committed: it may become `latest`
             retain(fabric, checkpoints, saved[-1], keep_last)
-        fabric.save(path, state)
+        fabric.save(path, state, filter=adapters_only)
         saved.append(path)
         if not parallel.async_save:
             retain(fabric, checkpoints, path, keep_last)
@@ -622,9 +675,13 @@ def main(
         }
         validation.update(max_val_windows=max_val_windows, batch_size=batch_size)
         validation.update(val_loss=final_loss, val_loss_before=initial_loss)
-        export_and_record(
-            fabric, model, final, fmt, checkpoint_dir, out_dir, windows, validation, export_max_shard_size, tied
-        )
+        if lora_r:
+            validation.update(lora=lora_settings(lora_r, lora_alpha))
+            export_adapters_and_record(fabric, model, fmt, checkpoint_dir, out_dir, windows, validation, state["step"])
+        else:
+            export_and_record(
+                fabric, model, final, fmt, checkpoint_dir, out_dir, windows, validation, export_max_shard_size, tied
+            )
 
 
 def export_and_record(
@@ -675,6 +732,46 @@ def export_and_record(
         raise error
     if outcome != "ok":
         raise RuntimeError(f"the export failed on rank 0: {outcome}")
+
+
+def export_adapters_and_record(
+    fabric: L.Fabric,
+    model: nn.Module,
+    fmt: Format,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    windows: torch.Tensor,
+    validation: dict[str, Any],
+    step: int,
+) -> None:
+    """LoRA: every rank exports the live model's adapters (each gathered whole; rank 0 writes) to
+    ``<out_dir>/export``, a peft adapter directory or a directory with litgpt's ``lit_model.pth.lora``; rank 0
+    records the fine-tuned logits for ``examples/check_export.py``, which loads the base from ``checkpoint_dir`` and
+    the adapters with peft or litgpt."""
+    from fabric_hsdp.adapters import export_litgpt_adapter, export_peft_adapter
+
+    probe = windows[:1, : min(32, windows.shape[1] - 1)].to(fabric.device)
+    with torch.no_grad():
+        model.eval()
+        probe_logits = logits_of(model, probe).float().cpu()
+        model.train()
+    begun = time.perf_counter()
+    export_dir = out_dir / "export"
+    if fmt == "transformers":
+        export_peft_adapter(model, export_dir)
+    else:
+        if fabric.global_rank == 0:
+            shutil.rmtree(export_dir, ignore_errors=True)
+            export_dir.mkdir(parents=True)
+        fabric.barrier()
+        export_litgpt_adapter(model, export_dir / "lit_model.pth.lora")
+    if fabric.global_rank == 0:
+        record = {"format": fmt, "export": str(export_dir), "tokens": probe.cpu(), "logits": probe_logits}
+        record.update(validation=validation, step=step, source=str(checkpoint_dir))
+        torch.save(record, out_dir / EXPORT_CHECK)
+        written = sorted(path.name for path in export_dir.iterdir())
+        fabric.print(f"exported the adapters to {export_dir} ({fmt}): {written} in {time.perf_counter() - begun:.2f} s")
+    fabric.barrier()
 
 
 @torch.no_grad()

@@ -170,6 +170,34 @@ def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: Devi
                 unit.set_force_sum_reduction_for_comms(True)  # FSDP2 sums, then divides the shard itself
 
 
+def hold_frozen_in_compute_dtype(module: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> list[str]:
+    """Under mixed precision, hold the frozen parameters (``requires_grad=False`` at setup: a LoRA model's base) in
+    the compute dtype; return their names.
+
+    FSDP2 keeps every sharded parameter in the dtype it was built in, fp32 under ``"bf16-mixed"``: a master copy for
+    the optimizer. A frozen parameter is never updated, and the policy computes with its bf16 cast anyway, so an fp32
+    shard only doubles its memory. Cast here, before ``fully_shard``, it is held (and loaded) in bf16, which the
+    policy then uses as it is: the same values in forward and backward, half the bytes. FSDP2 requires one dtype per
+    unit for the trainable parameters only (the adapters stay fp32).
+    """
+    dtype = getattr(mp_policy, "param_dtype", None)
+    if dtype is None:
+        return []
+    cast: dict[int, nn.Parameter] = {}  # one new parameter per tensor: tied weights stay tied
+    names = []
+    for owner_name, owner in module.named_modules():
+        for name, param in list(versions.module_parameters(owner).items()):
+            if param is None or param.requires_grad or param.dtype == dtype or not param.is_floating_point():
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                names.append(f"{owner_name}.{name}" if owner_name else name)
+            versions.module_parameters(owner)[name] = cast[id(param)]
+    if names:
+        info_on_rank_zero(_logger, "holding %d frozen parameters in %s (no fp32 master copy)", len(names), dtype)
+    return names
+
+
 def outer_units(module: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[list[nn.Module], list[nn.Module]]:
     """The modules outside the blocks that hold parameters, as units of their own (torchtitan's layout): each
     embedding alone, freed after its forward; the rest (the final norm and the output head) together.

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_warn
 from torch import nn
 
+from fabric_hsdp.adapters.init import initialize_adapters
 from fabric_hsdp.versions import compute_local_shape_and_global_offset, module_buffers, module_parameters
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def _initialize(module: nn.Module, owners: list[nn.Module]) -> set[str]:
             hf_init(sub)
         else:
             uninitialized.add(type(sub).__name__)
+    initialize_adapters(module, owners)  # LoRA adapters: their library's init (peft: B = 0), not the model's
     return uninitialized
 
 

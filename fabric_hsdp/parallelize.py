@@ -21,12 +21,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fabric_hsdp.adapters.init import refuse_unsupported_adapters
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.float8 import Float8Spec, apply_float8, validate_float8
 from fabric_hsdp.fsdp import (
     FSDPSettings,
     ModulePolicy,
     apply_fsdp,
+    hold_frozen_in_compute_dtype,
     is_sharded,
     mixed_precision_policy,
     module_matcher,
@@ -139,6 +141,7 @@ def set_up_module(
                 f"{type(module).__name__} was already sharded with fully_shard. Pass the plain model to"
                 " fabric.setup_module(model); HybridFSDPStrategy applies fully_shard itself."
             )
+        refuse_unsupported_adapters(module, tensor_parallel=mesh.tensor is not None)
         sharding = FSDPSettings(
             sharded_modules=levers.sharded_modules,
             reshard_after_forward=levers.reshard_after_forward,
@@ -185,6 +188,7 @@ def parallelize(
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:
         apply_compile(module, units, levers.compile, tensor_parallel=mesh.tensor is not None)
+    hold_frozen_in_compute_dtype(module, settings.mp_policy)  # a frozen base (LoRA) costs only its bf16 shards
     apply_fsdp(module, units, mesh.fsdp, settings)
     return applied
 

@@ -3,7 +3,10 @@
 Sharded state, exact up to the allocator: FSDP2 splits each parameter's dim 0 (after tensor parallelism split its
 own dim ``T`` ways) into ``S`` chunks of ``ceil(rows / S)`` rows; the device holding the first chunk holds the most.
 Parameters and gradients take the state dtype (fp32 under mixed precision), AdamW two moments in that dtype plus a
-4-byte step counter per parameter tensor, SGD (with momentum) one buffer.
+4-byte step counter per parameter tensor, SGD (with momentum) one buffer. Frozen parameters (a LoRA model's base,
+``requires_grad=False`` when the strategy sets the model up) have no gradient and no optimizer state, and under mixed
+precision are held in the compute dtype (what the strategy does); the gathered units and their gradient buffers are
+still counted in full (an upper bound for a frozen unit).
 
 Gathered units: the root unit (embeddings, final norm, output head) stays gathered from the start of forward to the
 end of backward; two layers are gathered at a time (the one computing and the one prefetched); in backward the
@@ -230,6 +233,9 @@ class UnitSize:
     unsharded: int
     largest_tensor: int
     tensors: int
+    trainable_local: int = 0  # of ``local``, the elements of trainable parameters
+    trainable_unsharded: int = 0  # of ``unsharded``, the same
+    trainable_tensors: int = 0
 
 
 def unit_sizes(model: ModelShape, fsdp_size: int, tensor_parallel_size: int) -> dict[str, UnitSize]:
@@ -239,7 +245,7 @@ def unit_sizes(model: ModelShape, fsdp_size: int, tensor_parallel_size: int) -> 
         by_signature: dict[tuple, UnitSize] = {}
         sizes = {}
         for unit, parameters in model.units().items():
-            signature = tuple((p.shape, p.tensor_parallel_dim) for p in parameters)
+            signature = tuple((p.shape, p.tensor_parallel_dim, p.trainable) for p in parameters)
             if signature not in by_signature:
                 numels = [local_numel(p, fsdp_size, tensor_parallel_size) for p in parameters]
                 by_signature[signature] = UnitSize(
@@ -247,6 +253,9 @@ def unit_sizes(model: ModelShape, fsdp_size: int, tensor_parallel_size: int) -> 
                     unsharded=sum(padded for _, padded in numels),
                     largest_tensor=max((padded for _, padded in numels), default=0),
                     tensors=len(parameters),
+                    trainable_local=sum(local for (local, _), p in zip(numels, parameters) if p.trainable),
+                    trainable_unsharded=sum(padded for (_, padded), p in zip(numels, parameters) if p.trainable),
+                    trainable_tensors=sum(1 for p in parameters if p.trainable),
                 )
             sizes[unit] = by_signature[signature]
         model.cache[key] = sizes
@@ -257,12 +266,15 @@ def memory_per_device(model: ModelShape, training: Training, fsdp_size: int, ten
     """Bytes per device for a layout with FSDP degree ``fsdp_size`` and TP degree ``tensor_parallel_size``."""
     sizes = unit_sizes(model, fsdp_size, tensor_parallel_size)
     sharded = sum(size.local for size in sizes.values())
-    tensors = sum(size.tensors for size in sizes.values())
+    trainable = sum(size.trainable_local for size in sizes.values())
+    tensors = sum(size.trainable_tensors for size in sizes.values())
     unsharded = {unit: size.unsharded for unit, size in sizes.items()}
     largest_root = sizes[""].largest_tensor
     compute, reduce = training.compute_bytes, training.reduce_bytes
     optimizer = training.workload.optimizer
-    state = sharded * training.state_bytes
+    state = trainable * training.state_bytes  # what trains: its gradients and optimizer state are as large
+    # frozen parameters are held in the compute dtype under mixed precision (fsdp.hold_frozen_in_compute_dtype)
+    parameters = state + (sharded - trainable) * compute
     optimizer_bytes = _OPTIMIZER_BUFFERS[optimizer] * state + (
         _ADAM_STEP_BYTES * tensors if optimizer == "adamw" else 0
     )
@@ -277,14 +289,14 @@ def memory_per_device(model: ModelShape, training: Training, fsdp_size: int, ten
     end_of_backward = unsharded[""] * (2 * compute + reduce)
     offloaded = training.cpu_offload
     return Memory(
-        parameters=0 if offloaded else state,
+        parameters=0 if offloaded else parameters,
         gradients=0 if offloaded else state,
         optimizer=0 if offloaded else optimizer_bytes,
         gathered=gathered_bytes,
         activations=activation_bytes(model, training, tensor_parallel_size),
         end_of_backward=end_of_backward,
         step_temporaries=state if optimizer == "adamw" and not offloaded else 0,
-        host=2 * state + optimizer_bytes if offloaded else 0,
+        host=parameters + state + optimizer_bytes if offloaded else 0,
     )
 
 

@@ -59,12 +59,14 @@ def tensor_parallel_dim(name: str, ndim: int) -> int | None:
 
 @dataclass(frozen=True)
 class ParameterShape:
-    """One parameter: its name, its full shape, the FSDP unit it belongs to ('' = root) and its TP split dim."""
+    """One parameter: its name, its full shape, the FSDP unit it belongs to ('' = root), its TP split dim and whether
+    it trains."""
 
     name: str
     shape: tuple[int, ...]
     unit: str
     tensor_parallel_dim: int | None
+    trainable: bool = True  # False: frozen (a LoRA model's base): no gradient, no optimizer state
 
     @property
     def numel(self) -> int:
@@ -150,9 +152,11 @@ class ModelShape:
         """One line: parameter count and dims."""
         dims = self.dims
         heads = "" if dims.num_heads is None else f", {dims.num_heads} heads ({dims.num_kv_heads} key/value)"
+        trainable = sum(parameter.numel for parameter in self.parameters if parameter.trainable)
+        frozen = "" if trainable == self.num_parameters else f", {_count(trainable)} trainable"
         return (
-            f"{self.description}: {_count(self.num_parameters)} parameters{self._active()} ({dims.num_layers} layers,"
-            f" hidden {dims.hidden_size}{heads}, {self._mlp()}, vocabulary {dims.vocab_size})"
+            f"{self.description}: {_count(self.num_parameters)} parameters{self._active()}{frozen}"
+            f" ({dims.num_layers} layers, hidden {dims.hidden_size}{heads}, {self._mlp()}, vocabulary {dims.vocab_size})"
         )
 
     def _mlp(self) -> str:
@@ -177,6 +181,7 @@ def model_shape(
     description: str,
     config: Any = None,
     tensor_parallel_plan: tuple[dict[str, int | None], dict[str, int]] | None = None,
+    frozen: Iterable[str] = (),
 ) -> ModelShape:
     """Describe a model from its parameters' names and shapes, and optionally its config and tensor-parallel plan.
 
@@ -187,14 +192,16 @@ def model_shape(
             (``hidden_size``/``n_embd``/``dim``, ...). Dims it lacks are inferred from the shapes.
         tensor_parallel_plan: ``(split dim per parameter name, head counts)`` from the plan the strategy would apply
             (``tensor_plan.plan_split_dims``); None: guess the split dims by name, take the heads from the dims.
+        frozen: Names of the parameters that do not train (``requires_grad=False``: a LoRA model's base).
     """
     split_dims, plan_heads = tensor_parallel_plan if tensor_parallel_plan is not None else ({}, None)
+    frozen = set(frozen)
     parameters = []
     for name, shape in named_shapes:
         shape = tuple(int(size) for size in shape)
         match = _UNIT.match(name)
         split = split_dims.get(name) if tensor_parallel_plan is not None else tensor_parallel_dim(name, len(shape))
-        parameters.append(ParameterShape(name, shape, match.group(1) if match else "", split))
+        parameters.append(ParameterShape(name, shape, match.group(1) if match else "", split, name not in frozen))
     if not parameters:
         raise ValueError(f"{description} has no parameters to plan for.")
     inferred = _infer_dims(parameters)
@@ -226,8 +233,9 @@ def model_shape_of_module(
     from fabric_hsdp.planning.tensor_plan import plan_split_dims
 
     named = [(name, tuple(parameter.shape)) for name, parameter in module.named_parameters()]
+    frozen = [name for name, parameter in module.named_parameters() if not parameter.requires_grad]
     plan = plan_split_dims(module, tensor_parallel_plan)
-    return model_shape(named, description or type(module).__name__, getattr(module, "config", None), plan)
+    return model_shape(named, description or type(module).__name__, getattr(module, "config", None), plan, frozen)
 
 
 def _config_dims(config: Any) -> dict[str, int]:

@@ -10,11 +10,11 @@ and TP degree ``T``:
 
 * FSDP (``shard`` groups): an all-gather of every unit in forward, again in backward for every unit resharded after
   forward (all layers by default; the root too with ``reshard_after_forward=True``; none with ``False``), in the
-  compute dtype; a reduce-scatter of every unit's gradients in the reduce dtype; all of it once per micro-batch
-  (FSDP2 gathers again for every forward, and ``fabric.no_backward_sync`` keeps the reduce-scatter: see
-  ``fabric_hsdp/gradients.py``).
-* Replication (``replicate`` groups): an all-reduce of each rank's gradient shard, once per optimizer step
-  (``no_backward_sync`` skips it between micro-batches).
+  compute dtype; a reduce-scatter of every unit's gradients in the reduce dtype (trainable parameters only: a LoRA
+  model's frozen base has none); all of it once per micro-batch (FSDP2 gathers again for every forward, and
+  ``fabric.no_backward_sync`` keeps the reduce-scatter: see ``fabric_hsdp/gradients.py``).
+* Replication (``replicate`` groups): an all-reduce of each rank's gradient shard (trainable parameters only), once
+  per optimizer step (``no_backward_sync`` skips it between micro-batches).
 * Tensor parallelism (``tensor`` groups, always inside a node): per layer one all-reduce of the activations
   (``tokens x hidden``) per row-wise layer in forward (again when activation checkpointing recomputes the forward),
   and one per column-wise layer in backward: torch's ``ColwiseParallel`` all-reduces the gradient of each layer's
@@ -65,8 +65,8 @@ def traffic_per_step(
         gathered_forward += size.unsharded * training.compute_bytes
         again = training.reshard_after_forward is True or (training.reshard_after_forward is None and unit != "")
         gathered_backward += size.unsharded * training.compute_bytes if again else 0
-        reduced += size.unsharded * training.reduce_bytes
-        shard += size.local * training.reduce_bytes
+        reduced += size.trainable_unsharded * training.reduce_bytes  # frozen parameters have no gradient
+        shard += size.trainable_local * training.reduce_bytes
     reduce_scatter_factor = 2.0 if backend == "gloo" else 1.0
     per_edge = {
         SHARD_DIM: accumulation_steps

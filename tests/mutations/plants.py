@@ -750,4 +750,117 @@ PLANTS: dict[str, Plant] = {
             "test_tensor_parallel_layouts_of_a_moe_model_are_refused_as_the_strategy_refuses_them",
         ),
     ),
+    "33a": Plant(
+        "a base checkpoint loads into a LoRA model by the base names (#33)",
+        "the wrapper's base-layer name (peft's base_layer, litgpt's linear) kept in the names matched",
+        (
+            (
+                "            if part != wrapper.inner:\n                kept.append(part)\n",
+                "            kept.append(part)\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+    ),
+    "33b": Plant(
+        "adapters made real from meta get their library's init (#33)",
+        "no adapter init after materialisation: peft's lora_B keeps the transformers init (not zero)",
+        (("    initialize_adapters(module, owners)  #", "    pass  #"),),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+    ),
+    "33c": Plant(
+        "adapters are optional in a strict raw load of the base (#33)",
+        "adapters counted as missing: a strict load of the base checkpoint raises",
+        (("    match.missing = [key for key in match.missing if key not in optional]\n", ""),),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+    ),
+    "33d": Plant(
+        "the peft export holds peft's own key names (#33)",
+        "the adapters handed to peft's save_pretrained without the base_model.model. prefix",
+        (
+            (
+                "module.save_pretrained(str(staged), state_dict=adapters)",
+                "module.save_pretrained(str(staged), state_dict={k.removeprefix('base_model.model.'): v for k, v in"
+                " adapters.items()})",
+            ),
+        ),
+        ("tests/test_lora.py::test_peft_export_loads_in_peft_and_gives_the_trained_logits",),
+    ),
+    "33e": Plant(
+        "LoRA is refused under tensor parallelism, with the reason (#33)",
+        "no refusal: tensor parallelism would split base layers but not their adapters",
+        (("    if tensor_parallel:\n        raise ValueError(", "    if False:\n        raise ValueError("),),
+        ("tests/test_lora.py::test_lora_is_refused_under_tensor_parallelism_with_the_reason",),
+    ),
+    "33f": Plant(
+        "a checkpoint of the LoRA model itself (wrapped names) loads back (#33)",
+        "checkpoint keys not renamed like the model's: a full save's base_layer names match nothing",
+        (
+            (
+                "        return None if renamed is None else load_name.get(renamed, renamed)\n",
+                "        return renamed\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_adapter_only_checkpoint_is_small_and_resumes_on_another_node_count",),
+    ),
+    "33g": Plant(
+        "a frozen base costs only its bf16 shards under bf16-mixed (#33)",
+        "frozen parameters kept in their fp32 build dtype: an fp32 master copy of a base that never changes",
+        (("    hold_frozen_in_compute_dtype(module, settings.mp_policy)  #", "    pass  #"),),
+        ("tests/test_lora.py::test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_fp32",),
+    ),
+    "33h": Plant(
+        "the planner counts a frozen base without gradients or optimizer state (#33)",
+        "every parameter counted as trainable: gradients and AdamW state for the frozen base too",
+        (
+            (
+                'parameters.append(ParameterShape(name, shape, match.group(1) if match else "", split, name not in'
+                " frozen))",
+                'parameters.append(ParameterShape(name, shape, match.group(1) if match else "", split, True))',
+            ),
+        ),
+        ("tests/test_lora.py::test_the_planner_counts_a_frozen_base_without_gradients_or_optimizer_state",),
+    ),
+    "33i": Plant(
+        "examples/finetune.py --lora_r keeps adapter-only checkpoints (#33)",
+        "the adapter filter left out of the periodic saves: every checkpoint holds the whole frozen base",
+        (("        fabric.save(path, state, filter=adapters_only)\n", "        fabric.save(path, state)\n"),),
+        ("tests/test_lora.py::test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and_exports",),
+    ),
+    "33j": Plant(
+        "the merged export folds the trained adapters into the base (#33)",
+        "the litgpt delta dropped when a query/key/value subset is adapted: qkv written as the base's",
+        (
+            (
+                "            return layer.get_lora_AB()\n",
+                "            return None if not all(getattr(layer, 'enable_lora', [True])) else layer.get_lora_AB()\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_merged_export_equals_the_librarys_own_merge_and_loads_as_the_base_model",),
+    ),
+    "33k": Plant(
+        "a merged export that fails ends every rank with the error (#33)",
+        "the other ranks leave rank 0's request loop at the failure: rank 0's end-of-export message finds them in"
+        " the failure exchange, and every rank waits",
+        (
+            (
+                "                if failed is None:  # after a failure, follow rank 0 to its end (it fails at the same"
+                " tensor)\n                    try:\n                        _merged(*entries[order[index]])\n",
+                "                _merged(*entries[order[index]])\n                if False:\n                    try:\n"
+                "                        pass\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_a_merge_that_fails_ends_every_rank_with_the_error",),
+    ),
+    "33l": Plant(
+        "peft's copies of base modules (modules_to_save) refused on meta (#33)",
+        "no check: the copy keeps the values of no checkpoint, silently",
+        (("    _refuse_copies_of_base_modules(module)\n", ""),),
+        ("tests/test_lora.py::test_peft_modules_to_save_is_refused_on_meta_with_what_works",),
+    ),
+    "33m": Plant(
+        "two wrapped names for one base name are refused (#33)",
+        "no check: one of the two tensors is silently left out of the load",
+        (("    if len(set(load_name.values())) != len(load_name):\n", "    if False:\n"),),
+        ("tests/test_lora.py::test_two_tensors_with_one_base_name_are_refused_as_ambiguous",),
+    ),
 }

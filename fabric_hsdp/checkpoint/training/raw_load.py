@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fabric_hsdp.adapters.names import load_names
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.boxes import global_box, pieces_of
@@ -118,13 +119,16 @@ def match_source_keys(
     key_map: KeyMapSpec,
     strict: bool,
     tied: dict[str, str] | None = None,
+    optional: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[KeyMatch, list[str]]:
     """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``.
 
-    A model key is not missing when another name of the same tied tensor (``tied``) is loaded: that fills both.
+    A model key is not missing when another name of the same tied tensor (``tied``) is loaded: that fills both, nor
+    when it is ``optional`` (a LoRA adapter, which a base checkpoint does not hold).
     """
     source_keys = source.keys()
     match = match_keys(source_keys, targets, key_map)
+    match.missing = [key for key in match.missing if key not in optional]
     if tied:
         loaded = {tied.get(key, key) for key in match.mapping}
         match.missing = [key for key in match.missing if tied.get(key, key) not in loaded]
@@ -164,6 +168,7 @@ class _Load:
     fused: dict[str, FusedRows]  # parameters whose rows tensor parallelism regrouped
     split_mesh: Any = None  # the mesh, when replicas split their reads
     splits: list[replica_split.Split] = field(default_factory=list)  # parts read, to all-gather after
+    optional: set[str] = field(default_factory=set)  # targets a checkpoint may lack (LoRA adapters)
     module: nn.Module | None = None  # its family's conversion rules (MoE experts) apply to the source
 
     def open(self) -> CheckpointSource:
@@ -175,7 +180,7 @@ class _Load:
             raise
 
     def match(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
-        return match_source_keys(source, self.targets, self.key_map, self.strict, self.tied)
+        return match_source_keys(source, self.targets, self.key_map, self.strict, self.tied, self.optional)
 
 
 def load_into_model(
@@ -199,9 +204,15 @@ def load_into_model(
     times.
     """
     validate_load_mode(load_mode)
-    load = _Load(path, module.state_dict(), strict, key_map, weights_only, tied_names(module), fused_rows_of(module))
-    load.split_mesh = split_mesh
-    load.module = module
+    # a LoRA model (peft, litgpt): base tensors by the base checkpoint's names, adapters optional
+    names = load_names(module, module.state_dict(), tied_names(module), fused_rows_of(module), key_map)
+    load = _Load(path, names.targets, strict, names.key_map, weights_only, names.tied, names.fused)
+    load.split_mesh, load.optional, load.module = split_mesh, names.optional, module
+    return names.model_result(_load_by_mode(load, load_mode, turn_size, local_rank, ranks_per_node))
+
+
+def _load_by_mode(load: _Load, load_mode: str, turn_size: int, local_rank: int, ranks_per_node: int) -> LoadResult:
+    path, split_mesh = load.path, load.split_mesh
     if load_mode == "rank0":
         return _load_from_rank0(load)
     if load_mode == "slice":
