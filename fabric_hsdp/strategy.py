@@ -22,7 +22,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from fabric_hsdp import distributed
+from fabric_hsdp import distributed, failures
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
@@ -174,6 +174,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
     ) -> None:
+        failures.install()  # a package error ends the script with one line on rank 0, not a traceback per rank
         self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
         if (binding := one_gpu_per_task()) is not None:  # before Fabric's own "only has [0]"
             rank_zero_warn(binding)
@@ -254,6 +255,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             timeout=self._timeout,
             cpu_offload=self._levers.cpu_offload,
         )
+        failures.install()  # again, above the hook init_process_group installed (it prefixes every line)
         backend, ranks_per_node = self._process_group_backend, self.num_processes
         self._layout.set_up(self.num_nodes, ranks_per_node, self.world_size, self.root_device, backend)
         self._checkpoints.set_up(

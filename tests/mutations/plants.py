@@ -425,4 +425,26 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/checkpoint/test_save_load.py::test_resuming_another_models_checkpoint_names_both_sides",),
     ),
+    "34f": Plant(
+        "a package error ends a launched job with one line on rank 0 (#34)",
+        "no excepthook: every rank prints its own traceback of the package's ValueError",
+        (
+            (
+                "        sys.excepthook = PackageErrorHook(sys.excepthook)\n",
+                "        pass\n",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_package_error_ends_the_job_with_one_line_on_rank_zero",),
+    ),
+    "34g": Plant(
+        "the other ranks leave the package error to rank 0 (#34)",
+        "every rank prints the one line (N lines for N ranks), as if rank 0's word were never awaited",
+        (
+            (
+                "        if rank != 0 and _rank_zero_reported():\n",
+                "        if rank != 0 and not _rank_zero_reported():\n",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_package_error_ends_the_job_with_one_line_on_rank_zero",),
+    ),
 }
