@@ -486,12 +486,15 @@ def main(
     if not launched_by_fabric_cli():
         fabric.launch()  # under `fabric run`, Fabric() has set up the processes and launch() would raise
     fabric.print(f"{layout_line(strategy.topology)}, device {fabric.device}, precision {strategy.precision_name}")
+    for directory in (out_dir, out_dir / "checkpoints"):  # unwritable: found now, not at the first save
+        strategy.check_writable(directory)
 
     started = time.perf_counter()
     with fabric.init_module(empty_init=True):
         model = build_model(fmt, checkpoint_dir)
     layer_names = layers.find(model)
     tied = tied_aliases(model)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     parameters = sum(p.numel() for p in model.parameters())
     fabric.print(
         f"{fmt} model from '{checkpoint_dir}': {type(model).__name__}, {parameters:,} parameters, built on the meta"
@@ -522,6 +525,9 @@ def main(
     checkpoints = out_dir / "checkpoints"
     checkpoint = resume_from(fabric, checkpoints, resume)
     if checkpoint is not None:
+        note = check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=resume not in (True, "true", "True"))
+        if note:
+            fabric.print(note)
         begun = time.perf_counter()
         fabric.load(checkpoint, state)
         fabric.print(f"resumed from {checkpoint} (step {state['step']}) in {time.perf_counter() - begun:.2f} s")
@@ -719,6 +725,60 @@ def resume_from(fabric: L.Fabric, checkpoints: Path, resume: bool | str) -> Path
     for line in skipped:
         fabric.print(line)
     return checkpoint
+
+
+def check_same_model(
+    checkpoint: Path,
+    checkpoint_dir: Path,
+    shapes: dict[str, tuple[int, ...]],
+    tied: set[str] = frozenset(),
+    chosen: bool = False,
+) -> str | None:
+    """Stop before resuming ``checkpoint`` if it holds another model than ``checkpoint_dir``'s; name both.
+
+    Another model: other tensor names or shapes than ``shapes`` (the model's state dict; the second names of tied
+    weights, ``tied``, may be absent), or, for the checkpoint found in ``--out_dir`` (not ``chosen`` with ``--resume
+    PATH``), another ``--checkpoint_dir`` than the one it was saved fine-tuning. Returns a line for the log when a
+    chosen checkpoint was saved from another directory with the same tensors, else ``None``.
+
+    Raises:
+        CheckpointError: the checkpoint is of another model (read on every rank alike: every rank raises it).
+    """
+    from fabric_hsdp.checkpoint import open_checkpoint
+    from fabric_hsdp.errors import CheckpointError
+
+    with open_checkpoint(checkpoint) as saved:
+        stored = {name: tuple(saved.tensor_info(name).shape) for name in saved}
+        source = saved.extras(lazy=True).get("source")
+    ours = f"--checkpoint_dir '{checkpoint_dir}' ({len(shapes)} tensors)"
+    theirs = f"'{source}'" if source else "a model it does not name"
+    missing = [name for name in shapes if name not in stored and name not in tied]
+    unexpected = [name for name in stored if name not in shapes]
+    differences = [
+        f"'{name}' {list(shapes[name])} in the model, {list(stored[name])} in the checkpoint"
+        for name in shapes
+        if name in stored and stored[name] != shapes[name]
+    ]
+    same_tensors = not (missing or unexpected or differences)
+    same_directory = source is None or Path(source).resolve() == checkpoint_dir.resolve()
+    if same_tensors and same_directory:
+        return None
+    if same_tensors and chosen:
+        return f"resuming {checkpoint}, saved fine-tuning '{source}': the same tensor names and shapes as {ours}"
+    found = []
+    if missing:
+        found.append(f"{len(missing)} of the model's tensors are not in it (e.g. '{missing[0]}')")
+    if unexpected:
+        found.append(f"it has {len(unexpected)} tensors the model does not (e.g. '{unexpected[0]}')")
+    if differences:
+        found.append(f"{len(differences)} differ in shape (e.g. {differences[0]})")
+    what = "; ".join(found) or "the same tensor names and shapes, from another directory"
+    anyway = f" If it is the same model, moved: --resume {checkpoint}." if same_tensors else ""
+    raise CheckpointError(
+        f"checkpoint '{checkpoint}' holds another model: it was saved fine-tuning {theirs} ({len(stored)} tensors),"
+        f" not {ours}; {what}. Pass another --out_dir, --resume false to start from --checkpoint_dir's weights, or"
+        f" the --checkpoint_dir it was saved from to go on with that model.{anyway}"
+    )
 
 
 def keep_global_batch(

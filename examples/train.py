@@ -139,6 +139,7 @@ def main(
         f" mesh (replicate, shard) = {strategy.topology.mesh_shape}, device {fabric.device}"
     )
 
+    strategy.check_writable(out_dir)  # unwritable: found now, not at the first save
     tokens = load_tokens(data, model.vocab_size)
     split = int(len(tokens) * 0.9)
     train_tokens, val_tokens = tokens[:split], tokens[split:]

@@ -356,6 +356,14 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         """
         self._checkpoints.save(path, _unwrap_objects(state), full=True)
 
+    def check_writable(self, directory: _PATH) -> None:
+        """Raise ``SaveError`` on every rank now if some rank cannot create files in ``directory`` (made if missing).
+
+        Call it at start-up for the directories the job saves into: an unwritable one (read-only, wrong permissions, a
+        file in the way) is found before the first step, not at the first save. Call it on every rank.
+        """
+        self._checkpoints.check_writable(directory)
+
     def loss_parallel(self) -> AbstractContextManager:
         """The context to compute the loss and run its backward in, for ``loss_parallel=True``'s split logits.
 

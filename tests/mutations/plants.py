@@ -447,4 +447,26 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_errors.py::test_a_package_error_ends_the_job_with_one_line_on_rank_zero",),
     ),
+    "34h": Plant(
+        "the fine-tune example resumes only a checkpoint of its own model (#34)",
+        "no model check before the resume: DCP's key check names tensors, not the two models",
+        (
+            (
+                "        note = check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=",
+                "        note = None and check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=",
+            ),
+        ),
+        ("tests/test_examples.py::test_finetune_refuses_to_resume_another_models_checkpoint_and_names_both",),
+    ),
+    "34i": Plant(
+        "an unwritable save directory is found at start-up (#34)",
+        "the start-up check does nothing: the unwritable --out_dir is found at the first save, after the steps",
+        (
+            (
+                "            check_writable(directory)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_examples.py::test_finetune_stops_before_step_1_when_out_dir_is_unwritable",),
+    ),
 }
