@@ -469,4 +469,15 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_examples.py::test_finetune_stops_before_step_1_when_out_dir_is_unwritable",),
     ),
+    "34j": Plant(
+        "FSDP2's view warning is hidden where it is known harmless: TP's local logits (#34)",
+        "no filter: every TP run warns that the head's to_local() view 'can cause backward to fail'",
+        (
+            (
+                "        hide_harmless_view_warning(module)  #",
+                "        pass  #",
+            ),
+        ),
+        ("tests/tensor_parallel/test_training.py::test_the_harmless_view_warning_of_tp_logits_is_not_shown",),
+    ),
 }
