@@ -1,7 +1,8 @@
 """The planted bugs of issue #22, one per finding: what is changed, and the tests that must fail because of it.
 
-Each edit is ``(old, new)``: ``old`` must occur exactly once in ``fabric_hsdp/``, ``tests/`` or ``examples/`` (found by
-content, so a file that moves keeps its plant). ``run.py`` applies them in a scratch copy, never here.
+Each edit is ``(old, new)``: ``old`` must occur exactly once in ``fabric_hsdp/``, ``tests/``, ``examples/``, the
+``Makefile`` or ``pyproject.toml`` (found by content, so a file that moves keeps its plant). ``run.py`` applies them
+in a scratch copy, never here.
 """
 
 from __future__ import annotations
@@ -479,5 +480,17 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         ("tests/tensor_parallel/test_training.py::test_the_harmless_view_warning_of_tp_logits_is_not_shown",),
+    ),
+    "34k": Plant(
+        "a user's set-up brings no torchao (#34)",
+        "`make setup` (and so `make main`) installs the test extras, torchao with them: every process that imports"
+        " transformers logs torchao's 'Failed to load ..._C_mxfp8...so' and two torch deprecation warnings",
+        (
+            (
+                '-e ".[examples]" $(PINS)',
+                '-e ".[test]" $(PINS)',
+            ),
+        ),
+        ("tests/test_install.py",),
     ),
 }
