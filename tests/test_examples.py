@@ -329,3 +329,14 @@ def test_finetune_stops_before_step_1_when_out_dir_is_unwritable(tiny_models, tm
     ], output
     assert reported[0] in rank0
     assert "step 0: val loss" not in output and "step 1/2" not in output and "loaded" not in output
+
+
+@pytest.mark.timeout(300)
+def test_finetune_says_each_fact_of_the_job_once(tiny_models, tmp_path):
+    """#34: every node's local rank 0 printed every line (fabric.print): one copy per node. 2 nodes x 2 ranks here."""
+    args = {"checkpoint_dir": str(tiny_models[1]), "out_dir": str(tmp_path), "max_steps": 1, "export": False}
+    result = launch("tests.scenarios.finetune:finetune", {"args": args}, timeout=200).check()
+    output = "".join(rank.stdout + rank.stderr for rank in result.ranks)
+    for fact in ("4 ranks = 2 node(s) x 2", "tokenizer: litgpt.Tokenizer", "ready in", "step 1/1: train loss", "done:"):
+        assert len([line for line in output.splitlines() if line.startswith(fact)]) == 1, (fact, output)
+    assert "done: fine-tuned val loss" in result.ranks[0].stdout

@@ -493,4 +493,15 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_install.py",),
     ),
+    "34l": Plant(
+        "the examples say each fact of the job once (#34)",
+        "facts printed on every node's local rank 0, as fabric.print does: one copy per node",
+        (
+            (
+                "    if fabric.global_rank == 0:\n        print(message, flush=True)\n",
+                "    if fabric.local_rank == 0:\n        print(message, flush=True)\n",
+            ),
+        ),
+        ("tests/test_examples.py::test_finetune_says_each_fact_of_the_job_once",),
+    ),
 }
