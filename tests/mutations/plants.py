@@ -504,4 +504,15 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_examples.py::test_finetune_says_each_fact_of_the_job_once",),
     ),
+    "34m": Plant(
+        "ranks waiting in the rendezvous for a node that never started say so (#34)",
+        "no notice: the ranks that started wait silently until the rendezvous times out",
+        (
+            (
+                "    timer = threading.Timer(RENDEZVOUS_NOTICE, say) if local_rank == 0 else None\n",
+                "    timer = None\n",
+            ),
+        ),
+        ("tests/test_distributed.py::test_ranks_waiting_for_a_node_that_never_started_say_so_once_per_node",),
+    ),
 }
