@@ -515,4 +515,15 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_distributed.py::test_ranks_waiting_for_a_node_that_never_started_say_so_once_per_node",),
     ),
+    "34n": Plant(
+        "a node waiting in torchrun's rendezvous under `fabric-hsdp run` says so (#34)",
+        "the notice is never given: node 0 stays silent for torchrun's whole 600 s rendezvous",
+        (
+            (
+                "        if _started_processes() is not False:\n",
+                "        if _started_processes() is not None:\n",
+            ),
+        ),
+        ("tests/test_run.py::test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so",),
+    ),
 }
