@@ -35,7 +35,7 @@ from fabric_hsdp.errors import FabricHSDPError
 from fabric_hsdp.logs import global_rank
 
 DEBUG_VARIABLE = "FABRIC_HSDP_DEBUG"
-REPORT_WAIT = 30.0  # seconds a rank waits for rank 0 to report the error before it reports its own
+REPORT_WAIT = 10.0  # seconds a rank waits for rank 0 to report the error before it reports its own
 _REPORTED, _HEARD = "fabric_hsdp/failures/reported", "fabric_hsdp/failures/heard"
 _USER_MISTAKES = (ValueError, TypeError, OSError, ImportError)
 _PACKAGE_DIRECTORY = Path(__file__).resolve().parent
@@ -115,13 +115,13 @@ def _store() -> Any:
 
 
 def _tell_the_other_ranks() -> None:
-    """Give rank 0's word, then keep this process (which may host the store) until every rank heard it, 10 s at most."""
+    """Give rank 0's word; keep this process (it may host the store) until all heard it, ``REPORT_WAIT`` at most."""
     store = _store()
     if store is None:
         return
     import torch.distributed as dist
 
-    others, deadline = dist.get_world_size() - 1, time.monotonic() + REPORT_WAIT / 3
+    others, deadline = dist.get_world_size() - 1, time.monotonic() + REPORT_WAIT
     with contextlib.suppress(Exception):  # the store may be gone: the others then report their own lines
         store.set(_REPORTED, "1")
         while store.add(_HEARD, 0) < others and time.monotonic() < deadline:

@@ -97,6 +97,7 @@ def test_a_package_error_ends_the_job_with_one_line_on_rank_zero():
     ], output
     assert reason[0] in result.ranks[0].stderr
     assert "Traceback" not in output, output
+    assert not any(text in output for text in ("terminate called", "Fatal Python error", "core dumped")), output
 
 
 @pytest.mark.timeout(240)
