@@ -21,25 +21,36 @@ CORE_TESTS ?= tests/checkpoint/test_load_raw.py tests/checkpoint/test_save_load.
 	tests/test_fsdp.py tests/test_init.py tests/test_strategy.py tests/test_dryrun.py tests/test_versions.py \
 	tests/test_gradients.py
 
-.PHONY: setup main test lint test-core test-torch test-range
+.PHONY: setup setup-test main test lint test-core test-torch test-range
 
-# The constraints, less the packages PINS names (each pinned instead).
+# A user's set-up: the package and what the examples need (`.[examples]`: litgpt, transformers), no test extras. The
+# constraints, less the packages PINS names (each pinned instead). torchao comes only with `.[float8]` (or the test
+# extras): where it is installed, every process that imports transformers imports it too, and its import logs lines
+# that look like failures ("Failed to load .../torchao/_C_mxfp8...so") and two torch deprecation warnings.
 $(BIN)/fabric-hsdp: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==$(TORCH)
 	$(if $(CONSTRAINTS),grep -v -x -E '($(subst $(space),|,$(foreach pin,$(PINS),$(firstword $(subst ==, ,$(pin))))))==.*' \
 		$(CONSTRAINTS) > $(VENV)/constraints.txt)
+	$(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(VENV)/constraints.txt) -e ".[examples]" $(PINS)
+	$(BIN)/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
+	touch $@
+
+# The test suite's extras on top (pytest, ruff, safetensors, torchao for the float8 conversion test).
+$(VENV)/.test-extras: $(BIN)/fabric-hsdp
 	$(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(VENV)/constraints.txt) -e ".[test]" $(PINS)
 	$(BIN)/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
 	touch $@
 
 setup: $(BIN)/fabric-hsdp
 
+setup-test: $(VENV)/.test-extras
+
 main: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python examples/main_job.py
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
@@ -50,7 +61,7 @@ test: lint
 
 # The core tests in this venv (no lint: `make test` lints).
 # Killing a blocking save at each point (49 s) stays in the whole suite: nothing in it differs across releases.
-test-core: setup
+test-core: setup-test
 	FABRIC_HSDP_NO_SKIPS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS) $(CORE_TESTS) \
 		--deselect tests/checkpoint/test_save_load.py::test_killed_saves_leave_old_or_new_checkpoint
 

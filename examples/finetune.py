@@ -69,7 +69,7 @@ from torch.nn import functional as F
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES.parent))  # `examples.launching` without installing the examples
 
-from examples.launching import devices_and_nodes, launched_by_fabric_cli  # noqa: E402
+from examples.launching import devices_and_nodes, launched_by_fabric_cli, say  # noqa: E402
 from examples.retention import keep_last, newest_complete, point_latest, why_incomplete  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
 from fabric_hsdp.adapters import adapter_keys  # noqa: E402
@@ -525,17 +525,21 @@ def main(
     )
     if not launched_by_fabric_cli():
         fabric.launch()  # under `fabric run`, Fabric() has set up the processes and launch() would raise
-    fabric.print(f"{layout_line(strategy.topology)}, device {fabric.device}, precision {strategy.precision_name}")
+    say(fabric, f"{layout_line(strategy.topology)}, device {fabric.device}, precision {strategy.precision_name}")
+    for directory in (out_dir, out_dir / "checkpoints"):  # unwritable: found now, not at the first save
+        strategy.check_writable(directory)
 
     started = time.perf_counter()
     with fabric.init_module(empty_init=True):
         model = build_model(fmt, checkpoint_dir, lora_r, lora_alpha)
     layer_names = layers.find(model)
     tied = tied_aliases(model)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapters = set(adapter_keys(model))
-    fabric.print(
+    say(
+        fabric,
         f"{fmt} model from '{checkpoint_dir}': {type(model).__name__}, {parameters:,} parameters, built on the meta"
         f" device; layers found for sharding (the layers of its nn.ModuleLists): {layers.count} x {layer_names}"
         + (", with activation checkpointing" if parallel.activation_checkpointing else "")
@@ -543,12 +547,12 @@ def main(
             f"; LoRA r={lora_r}: {trainable:,} trainable parameters in {len(adapters)} adapter tensors"
             if lora_r
             else ""
-        )
+        ),
     )
     # LoRA: checkpoints hold the adapters (and their optimizer state) only; the base is read from checkpoint_dir
     adapters_only = {"model": lambda name, value: name in adapters} if lora_r else None
     tokenizer = load_tokenizer(fmt, checkpoint_dir, vocab_size_of(model))
-    fabric.print(f"tokenizer: {tokenizer.describe()}")
+    say(fabric, f"tokenizer: {tokenizer.describe()}")
     context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", seq_len)
     if seq_len > context:
         raise ValueError(f"--seq_len {seq_len} exceeds the model's context length {context}")
@@ -556,9 +560,10 @@ def main(
         read_documents(data, text_key), tokenizer, val_fraction, seq_len
     )
     windows = validation_windows(val_tokens, seq_len, max_val_windows)
-    fabric.print(
+    say(
+        fabric,
         f"data '{data}': {len(train_tokens):,} training tokens, {len(val_tokens):,} validation tokens"
-        f" ({len(windows)} sequences of {seq_len} for the validation loss)"
+        f" ({len(windows)} sequences of {seq_len} for the validation loss)",
     )
 
     model = fabric.setup_module(model)
@@ -573,29 +578,34 @@ def main(
     checkpoints = out_dir / "checkpoints"
     checkpoint = resume_from(fabric, checkpoints, resume)
     if checkpoint is not None:
+        note = check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=resume not in (True, "true", "True"))
+        if note:
+            say(fabric, note)
         begun = time.perf_counter()
         if lora_r:  # an adapter-only checkpoint: the frozen base from its own checkpoint first
             fabric.load_raw(weights_of(fmt, checkpoint_dir), model)
         fabric.load(checkpoint, state, strict=not lora_r)
-        fabric.print(f"resumed from {checkpoint} (step {state['step']}) in {time.perf_counter() - begun:.2f} s")
+        say(fabric, f"resumed from {checkpoint} (step {state['step']}) in {time.perf_counter() - begun:.2f} s")
         grad_accumulation = keep_global_batch(fabric, state, batch_size, data_ranks, grad_accumulation)
     else:
         begun = time.perf_counter()
         fabric.load_raw(weights_of(fmt, checkpoint_dir), model)
-        fabric.print(
+        say(
+            fabric,
             f"loaded {weights_of(fmt, checkpoint_dir)} into the shards (load_mode={parallel.load_mode}: each rank"
-            f" reads only its own shard's elements) in {time.perf_counter() - begun:.2f} s"
+            f" reads only its own shard's elements) in {time.perf_counter() - begun:.2f} s",
         )
     memory, memory_label = peak_memory(fabric.device)
-    fabric.print(
+    say(
+        fabric,
         f"ready in {time.perf_counter() - started:.1f} s; {memory_label}, max over ranks:"
-        f" {_all_ranks_max(fabric, memory) / 2**20:,.0f} MiB"
+        f" {_all_ranks_max(fabric, memory) / 2**20:,.0f} MiB",
     )
 
     def validate(step: int) -> float:
         begun = time.perf_counter()
         loss = evaluate(fabric, model, windows, batch_size)
-        fabric.print(f"step {step}: val loss {loss:.6f} ({time.perf_counter() - begun:.2f} s)")
+        say(fabric, f"step {step}: val loss {loss:.6f} ({time.perf_counter() - begun:.2f} s)")
         return loss
 
     saved: list[Path] = []
@@ -612,7 +622,7 @@ def main(
         if not parallel.async_save:
             retain(fabric, checkpoints, path, keep_last)
         verb = "saving in the background" if parallel.async_save else "saved"
-        fabric.print(f"step {step}: {verb} {path} ({time.perf_counter() - begun:.2f} s)")
+        say(fabric, f"step {step}: {verb} {path} ({time.perf_counter() - begun:.2f} s)")
         return path
 
     initial_loss = validate(0) if state["step"] == 0 else None
@@ -637,10 +647,11 @@ def main(
         if step % log_every == 0 or step == max_steps:
             seconds = window_seconds / window_steps
             mean_loss = fabric.all_reduce(loss.detach().float(), reduce_op="mean").item()
-            fabric.print(
+            say(
+                fabric,
                 f"step {step}/{max_steps}: train loss {mean_loss:.4f}, {seconds:.2f} s/step,"
                 f" {tokens_per_step / seconds:,.0f} tokens/s (all ranks), {memory_label} max over ranks"
-                f" {_all_ranks_max(fabric, peak_memory(fabric.device)[0]) / 2**20:,.0f} MiB"
+                f" {_all_ranks_max(fabric, peak_memory(fabric.device)[0]) / 2**20:,.0f} MiB",
             )
             window_seconds, window_steps = 0.0, 0
         if eval_every > 0 and step % eval_every == 0 and step != max_steps:
@@ -653,8 +664,7 @@ def main(
             strategy.wait_for_checkpoint()
             retain(fabric, checkpoints, saved[-1], keep_last)
             requeued = preemption.requeue(fabric)  # rank 0 runs scontrol and says so
-            if fabric.global_rank == 0:
-                fabric.print(f"stopped at step {step} on a signal; {'requeued' if requeued else 'not requeued'}")
+            say(fabric, f"stopped at step {step} on a signal; {'requeued' if requeued else 'not requeued'}")
             preemption.close()
             return
     preemption.close()
@@ -665,7 +675,7 @@ def main(
     final_loss = validate(max_steps)
     strategy.wait_for_checkpoint()  # a save still in the background: committed here, or its failure raised
     retain(fabric, checkpoints, final, keep_last)
-    fabric.print(f"done: fine-tuned val loss {final_loss:.6f}")
+    say(fabric, f"done: fine-tuned val loss {final_loss:.6f}")
     if export:
         validation = {
             "data": str(data.resolve()),
@@ -721,9 +731,10 @@ def export_and_record(
             record = {"format": fmt, "export": str(out_dir / "export"), "tokens": probe.cpu(), "logits": probe_logits}
             record.update(validation=validation, step=int(checkpoint.name.split("-")[1]), source=str(checkpoint_dir))
             torch.save(record, out_dir / EXPORT_CHECK)
-            fabric.print(
+            say(
+                fabric,
                 f"exported {checkpoint.name} to {out_dir / 'export'} ({fmt} format): {written}"
-                f" in {time.perf_counter() - begun:.2f} s"
+                f" in {time.perf_counter() - begun:.2f} s",
             )
         except Exception as caught:  # every rank must learn of it, or the others wait in the broadcast below
             error, outcome = caught, f"{type(caught).__name__}: {caught}"
@@ -770,7 +781,7 @@ def export_adapters_and_record(
         record.update(validation=validation, step=step, source=str(checkpoint_dir))
         torch.save(record, out_dir / EXPORT_CHECK)
         written = sorted(path.name for path in export_dir.iterdir())
-        fabric.print(f"exported the adapters to {export_dir} ({fmt}): {written} in {time.perf_counter() - begun:.2f} s")
+        say(fabric, f"exported the adapters to {export_dir} ({fmt}): {written} in {time.perf_counter() - begun:.2f} s")
     fabric.barrier()
 
 
@@ -814,8 +825,62 @@ def resume_from(fabric: L.Fabric, checkpoints: Path, resume: bool | str) -> Path
         return path
     checkpoint, skipped = newest_complete(checkpoints)
     for line in skipped:
-        fabric.print(line)
+        say(fabric, line)
     return checkpoint
+
+
+def check_same_model(
+    checkpoint: Path,
+    checkpoint_dir: Path,
+    shapes: dict[str, tuple[int, ...]],
+    tied: set[str] = frozenset(),
+    chosen: bool = False,
+) -> str | None:
+    """Stop before resuming ``checkpoint`` if it holds another model than ``checkpoint_dir``'s; name both.
+
+    Another model: other tensor names or shapes than ``shapes`` (the model's state dict; the second names of tied
+    weights, ``tied``, may be absent), or, for the checkpoint found in ``--out_dir`` (not ``chosen`` with ``--resume
+    PATH``), another ``--checkpoint_dir`` than the one it was saved fine-tuning. Returns a line for the log when a
+    chosen checkpoint was saved from another directory with the same tensors, else ``None``.
+
+    Raises:
+        CheckpointError: the checkpoint is of another model (read on every rank alike: every rank raises it).
+    """
+    from fabric_hsdp.checkpoint import open_checkpoint
+    from fabric_hsdp.errors import CheckpointError
+
+    with open_checkpoint(checkpoint) as saved:
+        stored = {name: tuple(saved.tensor_info(name).shape) for name in saved}
+        source = saved.extras(lazy=True).get("source")
+    ours = f"--checkpoint_dir '{checkpoint_dir}' ({len(shapes)} tensors)"
+    theirs = f"'{source}'" if source else "a model it does not name"
+    missing = [name for name in shapes if name not in stored and name not in tied]
+    unexpected = [name for name in stored if name not in shapes]
+    differences = [
+        f"'{name}' {list(shapes[name])} in the model, {list(stored[name])} in the checkpoint"
+        for name in shapes
+        if name in stored and stored[name] != shapes[name]
+    ]
+    same_tensors = not (missing or unexpected or differences)
+    same_directory = source is None or Path(source).resolve() == checkpoint_dir.resolve()
+    if same_tensors and same_directory:
+        return None
+    if same_tensors and chosen:
+        return f"resuming {checkpoint}, saved fine-tuning '{source}': the same tensor names and shapes as {ours}"
+    found = []
+    if missing:
+        found.append(f"{len(missing)} of the model's tensors are not in it (e.g. '{missing[0]}')")
+    if unexpected:
+        found.append(f"it has {len(unexpected)} tensors the model does not (e.g. '{unexpected[0]}')")
+    if differences:
+        found.append(f"{len(differences)} differ in shape (e.g. {differences[0]})")
+    what = "; ".join(found) or "the same tensor names and shapes, from another directory"
+    anyway = f" If it is the same model, moved: --resume {checkpoint}." if same_tensors else ""
+    raise CheckpointError(
+        f"checkpoint '{checkpoint}' holds another model: it was saved fine-tuning {theirs} ({len(stored)} tensors),"
+        f" not {ours}; {what}. Pass another --out_dir, --resume false to start from --checkpoint_dir's weights, or"
+        f" the --checkpoint_dir it was saved from to go on with that model.{anyway}"
+    )
 
 
 def keep_global_batch(
@@ -832,16 +897,18 @@ def keep_global_batch(
         return accumulate
     if saved_batch % (batch_size * data_ranks) == 0:
         adjusted = saved_batch // (batch_size * data_ranks)
-        fabric.print(
+        say(
+            fabric,
             f"data-parallel ranks {saved_ranks} -> {data_ranks}: gradient accumulation {accumulate} -> {adjusted}"
-            f" keeps the global batch of {saved_batch} sequences"
+            f" keeps the global batch of {saved_batch} sequences",
         )
         state["data_parallel_size"] = data_ranks
         return adjusted
-    fabric.print(
+    say(
+        fabric,
         f"data-parallel ranks {saved_ranks} -> {data_ranks}: the global batch changes from {saved_batch} to"
         f" {current} sequences ({saved_batch} is no multiple of batch_size {batch_size} x {data_ranks} ranks; pass"
-        " --batch_size and --grad_accumulation that multiply to it)"
+        " --batch_size and --grad_accumulation that multiply to it)",
     )
     state["data_parallel_size"], state["global_batch"] = data_ranks, current
     return accumulate
@@ -853,7 +920,7 @@ def retain(fabric: L.Fabric, checkpoints: Path, newest: Path, count: int) -> Non
     if fabric.global_rank == 0:
         point_latest(checkpoints, newest)
         for removed in keep_last(checkpoints, count):
-            fabric.print(f"removed {removed} (--keep_last {count})")
+            say(fabric, f"removed {removed} (--keep_last {count})")
     fabric.barrier()
 
 

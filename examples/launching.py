@@ -27,6 +27,13 @@ from fabric_hsdp.launchers import SBATCH_SCRIPT, detect_launcher
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 
+def say(fabric: Any, message: str) -> None:
+    """Print a fact of the whole job once, on global rank 0 (``fabric.print`` prints on every node's local rank 0: one
+    copy per node)."""
+    if fabric.global_rank == 0:
+        print(message, flush=True)
+
+
 def launched_by_fabric_cli() -> bool:
     """``fabric run`` sets ``LT_CLI_USED=1`` and ``Fabric()`` then sets up the processes itself.
 

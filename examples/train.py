@@ -36,7 +36,13 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES.parent))  # `examples.tiny_llama` without installing the examples
 
-from examples.launching import devices_and_nodes, latest_checkpoint, launched_by_fabric_cli, write_report  # noqa: E402
+from examples.launching import (  # noqa: E402
+    devices_and_nodes,
+    latest_checkpoint,
+    launched_by_fabric_cli,
+    say,
+    write_report,
+)
 from examples.tiny_llama import Block, Llama, LlamaConfig, loss_fn  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
 
@@ -134,11 +140,13 @@ def main(
     )
     if not launched_by_fabric_cli():
         fabric.launch()
-    fabric.print(
+    say(
+        fabric,
         f"{fabric.world_size} ranks = {fabric.strategy.num_nodes} node(s) x {strategy.topology.ranks_per_node},"
-        f" mesh (replicate, shard) = {strategy.topology.mesh_shape}, device {fabric.device}"
+        f" mesh (replicate, shard) = {strategy.topology.mesh_shape}, device {fabric.device}",
     )
 
+    strategy.check_writable(out_dir)  # unwritable: found now, not at the first save
     tokens = load_tokens(data, model.vocab_size)
     split = int(len(tokens) * 0.9)
     train_tokens, val_tokens = tokens[:split], tokens[split:]
@@ -150,22 +158,23 @@ def main(
     optimizer = fabric.setup_optimizers(
         torch.optim.AdamW(net.parameters(), lr=learning_rate, weight_decay=weight_decay)
     )
-    fabric.print(f"model: {sum(p.numel() for p in net.parameters()):,} parameters (global), {model}")
+    say(fabric, f"model: {sum(p.numel() for p in net.parameters()):,} parameters (global), {model}")
 
     state = {"model": net, "optimizer": optimizer, "step": 0, "config": asdict(model)}
     checkpoint = latest_checkpoint(out_dir) if resume else None
     if checkpoint is not None:
         started = time.perf_counter()
         remainder = fabric.load(checkpoint, state)
-        fabric.print(
+        say(
+            fabric,
             f"resumed from {checkpoint} (step {state['step']}) in {time.perf_counter() - started:.2f} s"
             + (f"; not restored: {sorted(remainder)}" if remainder else "")
-            + ("; --init_from ignored" if init_from else "")
+            + ("; --init_from ignored" if init_from else ""),
         )
     elif init_from is not None:
         started = time.perf_counter()
         fabric.load_raw(init_from, net)
-        fabric.print(f"initialised from {init_from} (load_mode={load_mode}) in {time.perf_counter() - started:.2f} s")
+        say(fabric, f"initialised from {init_from} (load_mode={load_mode}) in {time.perf_counter() - started:.2f} s")
     resumed_from = state["step"]
     if report_dir is not None:
         write_report(report_dir, fabric, strategy, resumed_from=resumed_from, finished=False)
@@ -177,12 +186,12 @@ def main(
         fabric.save(path, state)
         seconds = time.perf_counter() - started
         if async_save:
-            fabric.print(f"step {step}: saving {path} in the background (fabric.save returned in {seconds:.2f} s)")
+            say(fabric, f"step {step}: saving {path} in the background (fabric.save returned in {seconds:.2f} s)")
         else:
-            fabric.print(f"step {step}: saved {path} in {seconds:.2f} s")
+            say(fabric, f"step {step}: saved {path} in {seconds:.2f} s")
 
     if state["step"] == 0:
-        fabric.print(f"step 0: val loss {evaluate(fabric, net, val_tokens, batch_size, seq_len, seed):.4f}")
+        say(fabric, f"step 0: val loss {evaluate(fabric, net, val_tokens, batch_size, seq_len, seed):.4f}")
     tokens_per_step = batch_size * seq_len * fabric.world_size
     window_started, window_steps = time.perf_counter(), 0
     for step in range(state["step"] + 1, max_steps + 1):
@@ -197,9 +206,10 @@ def main(
         if step % log_every == 0 or step == max_steps:
             mean_loss = fabric.all_reduce(loss.detach(), reduce_op="mean").item()
             seconds = time.perf_counter() - window_started
-            fabric.print(
+            say(
+                fabric,
                 f"step {step}/{max_steps}: train loss {mean_loss:.4f},"
-                f" {window_steps * tokens_per_step / seconds:,.0f} tokens/s"
+                f" {window_steps * tokens_per_step / seconds:,.0f} tokens/s",
             )
             window_started, window_steps = time.perf_counter(), 0
         if save_every > 0 and step % save_every == 0 and step != max_steps:
@@ -207,7 +217,7 @@ def main(
     if state["step"] < max_steps:
         save(max_steps)
     val_loss = evaluate(fabric, net, val_tokens, batch_size, seq_len, seed)
-    fabric.print(f"done: val loss {val_loss:.4f}")
+    say(fabric, f"done: val loss {val_loss:.4f}")
     strategy.wait_for_checkpoint()  # a save still in the background: committed here, or its failure raised
     if report_dir is not None:
         facts = {"resumed_from": resumed_from, "finished": True, "step": max_steps, "val_loss": val_loss}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from fabric_hsdp.launchers import Launcher
 
 _logger = logging.getLogger(__name__)
+RENDEZVOUS_NOTICE = 30.0  # seconds a rank waits for the others in init_process_group before each node's first says so
 
 
 def start_processes(
@@ -82,8 +86,48 @@ def init_process_group(
     rank_zero_only.rank = utils_rank_zero_only.rank = environment.global_rank()
     backend = choose_backend(device, backend, cpu_offload)
     bind = device.type != "cpu" and versions.may_bind_device(backend)
-    _init_dist_connection(environment, backend, timeout=timeout, device_id=device if bind else None)
+    with _say_if_waiting(environment, num_nodes, ranks_per_node, local_rank, timeout):
+        _init_dist_connection(environment, backend, timeout=timeout, device_id=device if bind else None)
     return backend
+
+
+@contextmanager
+def _say_if_waiting(
+    environment: ClusterEnvironment, num_nodes: int, ranks_per_node: int, local_rank: int, timeout: timedelta | None
+) -> Iterator[None]:
+    """If the ranks have not all joined after ``RENDEZVOUS_NOTICE`` seconds, each node's local rank 0 says so, once.
+
+    A node that never starts (a failed job step, a wrong address) leaves every other rank silent in
+    ``init_process_group`` until the timeout; this names what they wait for, where, since when and until when.
+    """
+    started = datetime.now(timezone.utc)
+    address = f"{environment.main_address}:{environment.main_port}"
+    limit = timeout or timedelta(minutes=30)  # init_process_group's default
+
+    def say() -> None:
+        _logger.warning(
+            "waiting since %s for all %d ranks of the job (%d node(s) x %d) to join at %s (the main address and"
+            " port); a node or rank that did not start keeps the others waiting here until %s (timeout %s). Check"
+            " that every node's launch started and can reach %s.",
+            f"{started:%H:%M:%S} UTC",
+            num_nodes * ranks_per_node,
+            num_nodes,
+            ranks_per_node,
+            address,
+            f"{started + limit:%H:%M:%S} UTC",
+            limit,
+            address,
+        )
+
+    timer = threading.Timer(RENDEZVOUS_NOTICE, say) if local_rank == 0 else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def choose_backend(device: torch.device, backend: str | None, cpu_offload: bool | Any) -> str:

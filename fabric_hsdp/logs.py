@@ -36,11 +36,12 @@ def warning_on_rank_zero(logger: logging.Logger, message: str, *args: Any) -> No
 
     Also callable without Lightning's rank set (the offline tools: one process, rank 0).
     """
-    if _global_rank() == 0:
+    if global_rank() == 0:
         logger.warning(message, *args)
 
 
-def _global_rank() -> int:
+def global_rank() -> int:
+    """This process's global rank: Lightning's once the strategy set it, else the process group's, else 0."""
     rank = getattr(rank_zero_only, "rank", None)
     if rank is not None:
         return rank

@@ -156,8 +156,10 @@ def set_up_module(
     make_replicas_identical(module, mesh)
     if mesh.tensor is not None:
         from fabric_hsdp.tensor_parallel import finish_tensor_parallel
+        from fabric_hsdp.tensor_parallel.view_warning import hide_harmless_view_warning
 
         finish_tensor_parallel(module, applied, mesh.tensor, device)
+        hide_harmless_view_warning(module)  # FSDP2's warning about the head's to_local() view, harmless there
     return module
 
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from argparse import Namespace
 from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 RUN_SCRIPT = Path(__file__).with_name("_run_script.py")
+TORCHRUN_RENDEZVOUS_TIMEOUT = timedelta(seconds=600)  # torchrun's static rendezvous (torch's _default_timeout_seconds)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -37,9 +41,50 @@ def main(argv: Sequence[str]) -> int:
     script, script_args = params.pop("script"), list(params.pop("script_args", ()))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    notice = _say_if_waiting(params)
     try:
         fabric_cli.main(args=Namespace(**params, script=str(RUN_SCRIPT)), script_args=[script, *script_args])
     except ChildFailedError as error:
         print(f"fabric-hsdp run: {error}", file=sys.stderr)
         return 1
+    finally:
+        if notice is not None:
+            notice.cancel()
     return 0
+
+
+def _say_if_waiting(params: dict[str, Any]) -> threading.Timer | None:
+    """On a multi-node launch: if torchrun has started no process after ``RENDEZVOUS_NOTICE`` seconds (it waits for
+    every node's launch to join), say so once. torchrun itself is silent for its whole rendezvous timeout."""
+    from fabric_hsdp import distributed
+
+    if int(params.get("num_nodes") or 1) < 2:
+        return None
+    started = datetime.now(timezone.utc)
+    until, address = started + TORCHRUN_RENDEZVOUS_TIMEOUT, f"{params.get('main_address')}:{params.get('main_port')}"
+
+    def say() -> None:
+        if _started_processes() is not False:
+            return  # the nodes have met (or this system does not say)
+        print(
+            f"fabric-hsdp run: node {params.get('node_rank')} has waited since {started:%H:%M:%S} UTC for all"
+            f" {params.get('num_nodes')} nodes of the job to join torchrun's rendezvous at {address} (--main-address"
+            f" and --main-port); a node whose launch did not start keeps the others waiting until"
+            f" {until:%H:%M:%S} UTC (torchrun's timeout, {TORCHRUN_RENDEZVOUS_TIMEOUT})."
+            f" Start `fabric-hsdp run` on every node with the same --num-nodes, --main-address and --main-port.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    timer = threading.Timer(distributed.RENDEZVOUS_NOTICE, say)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _started_processes() -> bool | None:
+    """Whether this process has child processes (torchrun's workers), from ``/proc``; ``None`` where it cannot tell."""
+    try:
+        return any((task / "children").read_text().split() for task in Path("/proc/self/task").iterdir())
+    except OSError:
+        return None

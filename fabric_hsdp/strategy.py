@@ -22,7 +22,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from fabric_hsdp import distributed
+from fabric_hsdp import distributed, failures
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
@@ -118,6 +118,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
     ) -> None:
+        failures.install()  # a package error ends the script with one line on rank 0, not a traceback per rank
         self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
         if (binding := one_gpu_per_task()) is not None:  # before Fabric's own "only has [0]"
             rank_zero_warn(binding)
@@ -198,6 +199,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             timeout=self._timeout,
             cpu_offload=self._levers.cpu_offload,
         )
+        failures.install()  # again, above the hook init_process_group installed (it prefixes every line)
         backend, ranks_per_node = self._process_group_backend, self.num_processes
         self._layout.set_up(self.num_nodes, ranks_per_node, self.world_size, self.root_device, backend)
         self._checkpoints.set_up(
@@ -301,6 +303,14 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         parallelism). Call it on every rank.
         """
         self._checkpoints.save(path, _unwrap_objects(state), full=True)
+
+    def check_writable(self, directory: _PATH) -> None:
+        """Raise ``SaveError`` on every rank now if some rank cannot create files in ``directory`` (made if missing).
+
+        Call it at start-up for the directories the job saves into: an unwritable one (read-only, wrong permissions, a
+        file in the way) is found before the first step, not at the first save. Call it on every rank.
+        """
+        self._checkpoints.check_writable(directory)
 
     def loss_parallel(self) -> AbstractContextManager:
         """The context to compute the loss and run its backward in, for ``loss_parallel=True``'s split logits.

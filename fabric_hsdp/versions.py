@@ -174,6 +174,11 @@ def module_hook_dicts(module: torch.nn.Module) -> tuple[dict, ...]:
     )
 
 
+def forward_hooks(module: torch.nn.Module) -> Any:
+    """``module._forward_hooks``: its forward hooks by handle id, an ``OrderedDict`` in the order they run."""
+    return module._forward_hooks
+
+
 def register_state_dict_hook(module: torch.nn.Module, hook: Any) -> Any:
     """``module._register_state_dict_hook(hook)``: ``hook(module, state_dict, prefix, local_metadata)``."""
     return module._register_state_dict_hook(hook)

@@ -52,3 +52,33 @@ def test_the_strategy_initialises_the_offload_backend_on_cuda(monkeypatch):
     with pytest.raises(_Stop):
         strategy.setup_environment()
     assert chosen == {"backend": "cpu:gloo,cuda:nccl", "device_id": CUDA}
+
+
+def wait_for_a_missing_node(num_nodes: int, devices: int, timeout: float) -> None:
+    """One node of a 2-node job starts; the other never does: the ranks wait in init_process_group until `timeout`."""
+    from datetime import timedelta
+
+    from tests.scenarios.common import make_fabric
+
+    distributed.RENDEZVOUS_NOTICE = 2.0
+    make_fabric(num_nodes + 1, devices, timeout=timedelta(seconds=timeout))
+
+
+@pytest.mark.timeout(200)
+def test_ranks_waiting_for_a_node_that_never_started_say_so_once_per_node():
+    """#34: a node that never started left the others silent in the rendezvous for its whole timeout (30 minutes)."""
+    import re
+
+    from tests.helpers.launch import launch
+
+    result = launch("tests.test_distributed:wait_for_a_missing_node", {"timeout": 12}, num_nodes=1, timeout=100)
+    assert result.returncodes == [1, 1], result.returncodes
+    said = [line for rank in result.ranks for line in rank.stderr.splitlines() if "waiting since" in line]
+    assert len(said) == 1 and said[0] in result.ranks[0].stderr, said  # node 0's local rank 0, once
+    assert re.fullmatch(
+        r"fabric_hsdp: waiting since \d\d:\d\d:\d\d UTC for all 4 ranks of the job \(2 node\(s\) x 2\) to join at"
+        r" 127\.0\.0\.1:\d+ \(the main address and port\); a node or rank that did not start keeps the others waiting"
+        r" here until \d\d:\d\d:\d\d UTC \(timeout 0:00:12\)\. Check that every node's launch started and can reach"
+        r" 127\.0\.0\.1:\d+\.",
+        said[0],
+    ), said[0]

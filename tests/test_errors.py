@@ -60,3 +60,94 @@ def test_load_warnings_are_said_by_rank_zero_only(tmp_path, caplog, monkeypatch)
     assert said[1] == ""
     for rank in (0, None):
         assert "legacy (non-zip) torch file" in said[rank] and "weights_only=False" in said[rank]
+
+
+def fail_in_set_up(num_nodes: int, devices: int, failure: str) -> None:
+    """A user's script whose strategy is given a shard_size that divides nothing, or whose own code fails after."""
+    from tests.scenarios.common import make_fabric
+
+    if failure == "bad shard_size":
+        make_fabric(num_nodes, devices, shard_size=3)
+    fabric = make_fabric(num_nodes, devices)
+    if failure == "rank 1 alone":  # rank 0 ends normally: nobody else would report rank 1's error
+        if fabric.global_rank == 1:
+            from fabric_hsdp.topology import Topology
+
+            Topology.resolve(3, 1, 2, 2)
+        return
+    raise KeyError("the script's own error")
+
+
+def _combined_output(result) -> str:
+    return "".join(rank.stdout + rank.stderr for rank in result.ranks)
+
+
+@pytest.mark.timeout(240)
+def test_a_package_error_ends_the_job_with_one_line_on_rank_zero():
+    """#34: 4 ranks printed 4 tracebacks of the same ValueError; rank 0 now prints its one line, the others nothing."""
+    from tests.helpers.launch import launch
+
+    result = launch("tests.test_errors:fail_in_set_up", {"failure": "bad shard_size"}, timeout=100, fail_grace=60)
+    output = _combined_output(result)
+    assert not result.timed_out and result.returncodes == [1, 1, 1, 1], output
+    reason = [line for line in output.splitlines() if "shard_size(3) does not divide WORLD_SIZE(4)" in line]
+    assert reason == [
+        "fabric-hsdp: error: shard_size(3) does not divide WORLD_SIZE(4) = num_nodes(2) * ranks_per_node(2):"
+        " replicate_size would be 1.33333. Choose a divisor: [1, 2, 4]. (set FABRIC_HSDP_DEBUG=1 for the traceback)"
+    ], output
+    assert reason[0] in result.ranks[0].stderr
+    assert "Traceback" not in output, output
+    assert not any(text in output for text in ("terminate called", "Fatal Python error", "core dumped")), output
+
+
+@pytest.mark.timeout(240)
+def test_the_traceback_stays_with_fabric_hsdp_debug_and_for_errors_not_of_the_package():
+    from tests.helpers.launch import launch
+
+    debug = launch(
+        "tests.test_errors:fail_in_set_up",
+        {"failure": "bad shard_size"},
+        num_nodes=1,
+        timeout=100,
+        fail_grace=60,
+        env={"FABRIC_HSDP_DEBUG": "1"},
+    )
+    for rank in debug.ranks:
+        assert rank.returncode == 1 and "Traceback" in rank.stderr, rank.stderr
+        assert "ValueError: shard_size(3) does not divide" in rank.stderr and "fabric-hsdp: error" not in rank.stderr
+    own = launch("tests.test_errors:fail_in_set_up", {"failure": "script"}, num_nodes=1, timeout=100, fail_grace=60)
+    for rank in own.ranks:
+        assert rank.returncode == 1 and 'KeyError: "the script\'s own error"' in rank.stderr, rank.stderr
+        assert "Traceback" in rank.stderr and "fabric-hsdp: error" not in rank.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_package_error_on_one_rank_alone_is_reported_by_that_rank():
+    from tests.helpers.launch import launch
+
+    result = launch("tests.test_errors:fail_in_set_up", {"failure": "rank 1 alone"}, num_nodes=1, timeout=100)
+    assert result.returncodes == [0, 1], _combined_output(result)
+    reported = [line for line in _combined_output(result).splitlines() if "fabric-hsdp: error" in line]
+    assert len(reported) == 1 and reported[0] in result.ranks[1].stderr, _combined_output(result)
+    assert reported[0].startswith("fabric-hsdp: error on rank 1: shard_size(3) does not divide"), reported
+    assert "fabric-hsdp: error" not in result.ranks[0].stderr
+
+
+def test_a_package_error_tells_torchrun_its_reason(tmp_path, monkeypatch, capsys):
+    """Under torchrun the summary's root cause showed a link to torch's docs; rank 0's error file now holds the line."""
+    from fabric_hsdp import failures
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.delenv("FABRIC_HSDP_DEBUG", raising=False)
+    try:
+        from fabric_hsdp.topology import Topology
+
+        Topology.resolve(3, 1, 2, 2)
+    except ValueError as error:
+        failures.PackageErrorHook(previous=None)(ValueError, error, error.__traceback__)
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("fabric-hsdp: error: shard_size(3) does not divide WORLD_SIZE(2)"), line
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    summary = ChildFailedError("finetune.py", {0: ProcessFailure(0, 1234, 1, str(tmp_path / "error.json"))})
+    assert f"traceback : {line}\n" in summary.format_msg(), summary.format_msg()

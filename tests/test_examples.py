@@ -255,3 +255,88 @@ def test_finetune_resumes_from_its_sharded_checkpoint_exactly(main_job, tmp_path
     resumed = torch.load(out_dir / "export_check.pt", weights_only=True)["validation"]["val_loss"]
     assert resumed == straight
     assert (out_dir / "export" / "lit_model.pth").is_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> tuple[Path, Path]:
+    """``(transformers directory, litgpt directory)`` of one tiny random Llama (examples/make_tiny_llama.py)."""
+    from examples.make_tiny_llama import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("models"))
+
+
+def _finetune(checkpoint_dir: Path, out_dir: Path) -> tuple[list[int | None], str, str]:
+    """examples/finetune.py on 1 node x 2 ranks: the exit codes, the combined output and rank 0's stderr."""
+    args = {"checkpoint_dir": str(checkpoint_dir), "out_dir": str(out_dir), "max_steps": 2, "export": False}
+    result = launch("tests.scenarios.finetune:finetune", {"args": args}, num_nodes=1, timeout=150, fail_grace=60)
+    return result.returncodes, "".join(rank.stdout + rank.stderr for rank in result.ranks), result.ranks[0].stderr
+
+
+@pytest.mark.timeout(240)
+def test_finetune_refuses_to_resume_another_models_checkpoint_and_names_both(tiny_models, tmp_path):
+    """#34: it resumed the newest checkpoint in --out_dir whatever the model (DCP then named only tensors)."""
+    from fabric_hsdp.checkpoint import write_dcp
+
+    hf, litgpt = tiny_models
+    saved = tmp_path / "checkpoints" / "step-000002"
+    saved.parent.mkdir()
+    lit_tensors = torch.load(litgpt / "lit_model.pth", weights_only=True)
+    write_dcp(saved, lit_tensors, extras={"source": str(litgpt), "step": 2})
+    codes, output, rank0 = _finetune(hf, tmp_path)
+    assert codes == [1, 1], output
+    reported = [line for line in output.splitlines() if "holds another model" in line]
+    assert len(reported) == 1 and reported[0] in rank0, output
+    assert reported[0].startswith(
+        f"fabric-hsdp: error: checkpoint '{saved}' holds another model: it was saved fine-tuning '{litgpt}'"
+        f" ({len(lit_tensors)} tensors), not --checkpoint_dir '{hf}'"
+    ), reported
+    assert "Pass another --out_dir, --resume false" in reported[0]
+    assert "step 1/2" not in output and "resumed from" not in output
+
+
+def test_finetune_names_a_checkpoint_of_the_same_tensors_saved_from_another_directory(tmp_path):
+    from examples.finetune import check_same_model
+    from fabric_hsdp.checkpoint import write_dcp
+    from fabric_hsdp.errors import CheckpointError
+
+    tensors = {"embed.weight": torch.zeros(8, 4), "head.weight": torch.zeros(8, 4)}
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    write_dcp(tmp_path / "step-000001", tensors, extras={"source": str(tmp_path / "model"), "step": 1})
+    assert check_same_model(tmp_path / "step-000001", tmp_path / "model", shapes) is None
+    tied = {"norm.weight": (4,)}  # a second name of a tied weight may be absent from the checkpoint
+    assert check_same_model(tmp_path / "step-000001", tmp_path / "model", {**shapes, **tied}, set(tied)) is None
+    with pytest.raises(CheckpointError, match=r"the same tensor names and shapes, from another directory.*--resume "):
+        check_same_model(tmp_path / "step-000001", tmp_path / "moved", shapes)
+    note = check_same_model(tmp_path / "step-000001", tmp_path / "moved", shapes, chosen=True)  # --resume PATH
+    assert note.startswith(f"resuming {tmp_path / 'step-000001'}, saved fine-tuning '{tmp_path / 'model'}'"), note
+    with pytest.raises(
+        CheckpointError, match=r"1 differ in shape \(e.g. 'head.weight' \[9, 4\] in the model, \[8, 4\]"
+    ):
+        check_same_model(tmp_path / "step-000001", tmp_path / "model", {**shapes, "head.weight": (9, 4)}, chosen=True)
+
+
+@pytest.mark.timeout(240)
+def test_finetune_stops_before_step_1_when_out_dir_is_unwritable(tiny_models, tmp_path):
+    """#34: a read-only --out_dir failed at the first save, after the steps before it. /sys refuses even root."""
+    out_dir = Path("/sys/fabric-hsdp-test-out")
+    codes, output, rank0 = _finetune(tiny_models[1], out_dir)
+    assert codes == [1, 1], output
+    reported = [line for line in output.splitlines() if "fabric-hsdp: error" in line]
+    assert reported == [
+        f"fabric-hsdp: error: cannot save checkpoints in '{out_dir}': cannot create it (Operation not permitted)."
+        " Found before training: choose a directory every rank can write, or change its permissions. (set"
+        " FABRIC_HSDP_DEBUG=1 for the traceback)"
+    ], output
+    assert reported[0] in rank0
+    assert "step 0: val loss" not in output and "step 1/2" not in output and "loaded" not in output
+
+
+@pytest.mark.timeout(300)
+def test_finetune_says_each_fact_of_the_job_once(tiny_models, tmp_path):
+    """#34: every node's local rank 0 printed every line (fabric.print): one copy per node. 2 nodes x 2 ranks here."""
+    args = {"checkpoint_dir": str(tiny_models[1]), "out_dir": str(tmp_path), "max_steps": 1, "export": False}
+    result = launch("tests.scenarios.finetune:finetune", {"args": args}, timeout=200).check()
+    output = "".join(rank.stdout + rank.stderr for rank in result.ranks)
+    for fact in ("4 ranks = 2 node(s) x 2", "tokenizer: litgpt.Tokenizer", "ready in", "step 1/1: train loss", "done:"):
+        assert len([line for line in output.splitlines() if line.startswith(fact)]) == 1, (fact, output)
+    assert "done: fine-tuned val loss" in result.ranks[0].stdout

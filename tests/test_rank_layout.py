@@ -39,7 +39,10 @@ def test_ranks_numbered_across_nodes_are_refused_with_the_launch_fix(hosts, node
 
 
 def test_cyclic_numbering_fails_every_rank_at_setup():
-    result = launch("tests.scenarios.rank_layout:torchrun_numbering", {"cyclic": True}, timeout=240)
+    # each rank's own traceback (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
+    result = launch(
+        "tests.scenarios.rank_layout:torchrun_numbering", {"cyclic": True}, timeout=240, env={"FABRIC_HSDP_DEBUG": "1"}
+    )
     assert result.returncodes == [1, 1, 1, 1], result.returncodes
     for rank in result.ranks:
         assert "numbered the global ranks across nodes" in rank.stderr, rank.stderr[-2000:]

@@ -75,3 +75,41 @@ def test_run_strategy_hsdp_trains_a_script_that_never_imports_fabric_hsdp(tmp_pa
         # run as `python plain.py ARGS` would be: as __main__, its own argv, its directory first on sys.path
         assert (report["name"], report["argv"]) == ("__main__", [str(script), str(tmp_path), "--flag", "x"])
         assert report["path0"] == str(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so(tmp_path):
+    """#34: node 0 of a 2-node `fabric-hsdp run` whose other node never starts was silent for torchrun's 600 s."""
+    import re
+    import select
+    import signal
+    import time
+
+    script = tmp_path / "never_runs.py"
+    script.write_text("raise SystemExit('the nodes never met, so this never runs')\n")
+    port = free_port()
+    code = (
+        "import sys; from fabric_hsdp import distributed; distributed.RENDEZVOUS_NOTICE = 2.0;"
+        " from fabric_hsdp.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    command = [sys.executable, "-c", code, "run", "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2"]
+    command += ["--node-rank", "0", "--main-address", "127.0.0.1", "--main-port", str(port), str(script)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    said, deadline = [], time.monotonic() + 90
+    try:
+        while not said and time.monotonic() < deadline and process.poll() is None:
+            if select.select([process.stderr], [], [], 1.0)[0]:
+                line = process.stderr.readline()
+                said += [line.strip()] if "has waited since" in line else []
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert len(said) == 1, said
+    assert re.fullmatch(
+        rf"fabric-hsdp run: node 0 has waited since \d\d:\d\d:\d\d UTC for all 2 nodes of the job to join torchrun's"
+        rf" rendezvous at 127\.0\.0\.1:{port} \(--main-address and --main-port\); a node whose launch did not start"
+        rf" keeps the others waiting until \d\d:\d\d:\d\d UTC \(torchrun's timeout, 0:10:00\)\. Start `fabric-hsdp"
+        rf" run` on every node with the same --num-nodes, --main-address and --main-port\.",
+        said[0],
+    ), said[0]

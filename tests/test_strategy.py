@@ -50,7 +50,10 @@ def test_full_shard_over_world(shard_size):
 
 
 def test_invalid_shard_size_fails_every_rank_with_the_arithmetic():
-    result = launch("tests.scenarios.core:bad_shard_size", {"shard_size": 3}, timeout=120)
+    # each rank's own traceback (tests/test_errors.py: without FABRIC_HSDP_DEBUG, rank 0 says it in one line)
+    result = launch(
+        "tests.scenarios.core:bad_shard_size", {"shard_size": 3}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"}
+    )
     assert result.returncodes == [1, 1, 1, 1]
     for rank in result.ranks:
         assert "shard_size(3) does not divide WORLD_SIZE(4) = num_nodes(2) * ranks_per_node(2)" in rank.stderr
@@ -123,7 +126,13 @@ def test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32(p
 
 
 def test_one_rank_failing_setup_fails_all_ranks_fast():
-    result = launch("tests.scenarios.core:fail_on_one_rank", {"failing_rank": 3}, timeout=120, fail_grace=90)
+    result = launch(
+        "tests.scenarios.core:fail_on_one_rank",
+        {"failing_rank": 3},
+        timeout=120,
+        fail_grace=90,
+        env={"FABRIC_HSDP_DEBUG": "1"},
+    )  # each rank's own traceback: which error every rank raised
     assert not result.timed_out
     assert result.returncodes == [1, 1, 1, 1]
     assert "ValueError: HybridFSDPStrategy(sharded_modules=...) matched no submodule of Llama" in result.ranks[3].stderr

@@ -25,6 +25,7 @@ def test_stalled_rank_fails_every_rank_with_its_file_and_progress(tmp_path, stal
         {"out": str(tmp_path), "stalled_rank": stalled_rank, "stall": stall, "io_timeout": io_timeout},
         timeout=150,
         fail_grace=5,
+        env={"FABRIC_HSDP_DEBUG": "1"},  # each rank's own error line, not rank 0's one line for the job
     )
     assert not result.timed_out, [rank.stderr[-2000:] for rank in result.ranks]
     waiting = [rank for rank in result.ranks if rank.global_rank != stalled_rank]
@@ -53,6 +54,7 @@ def test_a_stopped_store_host_fails_the_other_ranks_naming_the_store(tmp_path):
         {"out": str(tmp_path), "stalled_rank": 0, "stall": "save-stop", "io_timeout": io_timeout},
         timeout=150,
         fail_grace=5,
+        env={"FABRIC_HSDP_DEBUG": "1"},  # each rank's own error line, not rank 0's one line for the job
     )
     assert not result.timed_out, [rank.stderr[-2000:] for rank in result.ranks]
     waiting = [rank for rank in result.ranks if rank.global_rank != 0]

@@ -1,8 +1,8 @@
 """The planted bugs of issue #22, one per finding: what is changed, and the tests that must fail because of it.
 
-Each edit is ``(old, new)``: ``old`` must occur exactly once in ``fabric_hsdp/``, ``tests/``, ``examples/`` or
-``benchmarks/`` (found by content, so a file that moves keeps its plant). ``run.py`` applies them in a scratch copy,
-never here.
+Each edit is ``(old, new)``: ``old`` must occur exactly once in ``fabric_hsdp/``, ``tests/``, ``examples/``,
+``benchmarks/``, the ``Makefile`` or ``pyproject.toml`` (found by content, so a file that moves keeps its plant).
+``run.py`` applies them in a scratch copy, never here.
 """
 
 from __future__ import annotations
@@ -862,5 +862,105 @@ PLANTS: dict[str, Plant] = {
         "no check: one of the two tensors is silently left out of the load",
         (("    if len(set(load_name.values())) != len(load_name):\n", "    if False:\n"),),
         ("tests/test_lora.py::test_two_tensors_with_one_base_name_are_refused_as_ambiguous",),
+    ),
+    "34f": Plant(
+        "a package error ends a launched job with one line on rank 0 (#34)",
+        "no excepthook: every rank prints its own traceback of the package's ValueError",
+        (
+            (
+                "        sys.excepthook = PackageErrorHook(sys.excepthook)\n",
+                "        pass\n",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_package_error_ends_the_job_with_one_line_on_rank_zero",),
+    ),
+    "34g": Plant(
+        "the other ranks leave the package error to rank 0 (#34)",
+        "every rank prints the one line (N lines for N ranks), as if rank 0's word were never awaited",
+        (
+            (
+                "        if rank != 0 and _rank_zero_reported():\n",
+                "        if rank != 0 and not _rank_zero_reported():\n",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_package_error_ends_the_job_with_one_line_on_rank_zero",),
+    ),
+    "34h": Plant(
+        "the fine-tune example resumes only a checkpoint of its own model (#34)",
+        "no model check before the resume: DCP's key check names tensors, not the two models",
+        (
+            (
+                "        note = check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=",
+                "        note = None and check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=",
+            ),
+        ),
+        ("tests/test_examples.py::test_finetune_refuses_to_resume_another_models_checkpoint_and_names_both",),
+    ),
+    "34i": Plant(
+        "an unwritable save directory is found at start-up (#34)",
+        "the start-up check does nothing: the unwritable --out_dir is found at the first save, after the steps",
+        (
+            (
+                "            check_writable(directory)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_examples.py::test_finetune_stops_before_step_1_when_out_dir_is_unwritable",),
+    ),
+    "34j": Plant(
+        "FSDP2's view warning is hidden where it is known harmless: TP's local logits (#34)",
+        "no filter: every TP run warns that the head's to_local() view 'can cause backward to fail'",
+        (
+            (
+                "        hide_harmless_view_warning(module)  #",
+                "        pass  #",
+            ),
+        ),
+        ("tests/tensor_parallel/test_training.py::test_the_harmless_view_warning_of_tp_logits_is_not_shown",),
+    ),
+    "34k": Plant(
+        "a user's set-up brings no torchao (#34)",
+        "`make setup` (and so `make main`) installs the test extras, torchao with them: every process that imports"
+        " transformers logs torchao's 'Failed to load ..._C_mxfp8...so' and two torch deprecation warnings",
+        (
+            (
+                '-e ".[examples]" $(PINS)',
+                '-e ".[test]" $(PINS)',
+            ),
+        ),
+        ("tests/test_install.py",),
+    ),
+    "34l": Plant(
+        "the examples say each fact of the job once (#34)",
+        "facts printed on every node's local rank 0, as fabric.print does: one copy per node",
+        (
+            (
+                "    if fabric.global_rank == 0:\n        print(message, flush=True)\n",
+                "    if fabric.local_rank == 0:\n        print(message, flush=True)\n",
+            ),
+        ),
+        ("tests/test_examples.py::test_finetune_says_each_fact_of_the_job_once",),
+    ),
+    "34m": Plant(
+        "ranks waiting in the rendezvous for a node that never started say so (#34)",
+        "no notice: the ranks that started wait silently until the rendezvous times out",
+        (
+            (
+                "    timer = threading.Timer(RENDEZVOUS_NOTICE, say) if local_rank == 0 else None\n",
+                "    timer = None\n",
+            ),
+        ),
+        ("tests/test_distributed.py::test_ranks_waiting_for_a_node_that_never_started_say_so_once_per_node",),
+    ),
+    "34n": Plant(
+        "a node waiting in torchrun's rendezvous under `fabric-hsdp run` says so (#34)",
+        "the notice is never given: node 0 stays silent for torchrun's whole 600 s rendezvous",
+        (
+            (
+                "        if _started_processes() is not False:\n",
+                "        if _started_processes() is not None:\n",
+            ),
+        ),
+        ("tests/test_run.py::test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so",),
     ),
 }

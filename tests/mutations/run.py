@@ -26,6 +26,7 @@ from plants import PLANTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SEARCHED = ("fabric_hsdp", "tests", "examples", "benchmarks")
+SEARCHED_FILES = ("Makefile", "pyproject.toml")  # the set-up a user runs is code too
 
 
 def copy_tree(destination: Path) -> None:
@@ -40,13 +41,14 @@ def copy_tree(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
+def searched(root: Path) -> list[Path]:
+    """The files a plant's snippet may be in."""
+    sources = [path for top in SEARCHED for path in (root / top).rglob("*.py") if "mutations" not in path.parts]
+    return sources + [root / name for name in SEARCHED_FILES if (root / name).is_file()]
+
+
 def apply(root: Path, old: str, new: str) -> Path:
-    found = [
-        path
-        for top in SEARCHED
-        for path in (root / top).rglob("*.py")
-        if "mutations" not in path.parts and old in path.read_text()
-    ]
+    found = [path for path in searched(root) if old in path.read_text()]
     counts = sum(path.read_text().count(old) for path in found)
     if counts != 1:
         where = [str(p.relative_to(root)) for p in found]
@@ -92,12 +94,7 @@ def check() -> int:
     bad = 0
     for number, plant in PLANTS.items():
         for old, _ in plant.edits:
-            counts = sum(
-                path.read_text().count(old)
-                for top in SEARCHED
-                for path in (REPO / top).rglob("*.py")
-                if "mutations" not in path.parts
-            )
+            counts = sum(path.read_text().count(old) for path in searched(REPO))
             if counts != 1:
                 bad += 1
                 print(f"plant {number}: its snippet occurs {counts} times:\n{old}")

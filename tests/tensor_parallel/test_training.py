@@ -164,3 +164,39 @@ def test_ties_export_layout_dropout_and_checkpoints_across_sequence_and_loss_par
         assert levers["logits"] * 2 == plain["logits"], (kind, plain, levers)
         assert levers["loss"] < 0.6 * plain["loss"], (kind, plain, levers)
     print({label: memory[label] for label in memory})
+
+
+def view_warnings(num_nodes: int, devices: int) -> dict:
+    """A TP training step of the example LLaMA (its logits: the head's to_local() view); the warnings it raised."""
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    from fabric_hsdp.tensor_parallel.view_warning import is_local_logits
+    from tests.scenarios.common import batch, make_fabric, tiny_llama
+
+    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=2)
+    model = fabric.setup_module(tiny_llama())
+    tokens, targets = batch(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    weight = next(p for p in model.parameters() if isinstance(p, DTensor))
+    local = weight.to_local()
+    return {
+        "warnings": [str(warning.message) for warning in caught],
+        "logits_are_local_logits": is_local_logits(logits),
+        "a slice of them is not": is_local_logits(logits[..., :2]),
+        "to_local() of a parameter is": is_local_logits(local) if local.requires_grad else None,
+    }
+
+
+@pytest.mark.timeout(240)
+def test_the_harmless_view_warning_of_tp_logits_is_not_shown():
+    """#34: every TP run printed FSDP2's "returned a view tensor ... can cause backward to fail or produce wrong
+    gradients" for the head's to_local() logits, which autograd forbids modifying in place."""
+    values = launch("tests.tensor_parallel.test_training:view_warnings", num_nodes=1, ranks_per_node=2, timeout=150)
+    for facts in values.check().values:
+        assert [text for text in facts["warnings"] if "returned a view tensor" in text] == [], facts["warnings"]
+        assert facts["logits_are_local_logits"] is True and facts["a slice of them is not"] is False, facts

@@ -29,7 +29,7 @@ from typing import Any
 
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.progress import log_throughput
-from fabric_hsdp.errors import write_error
+from fabric_hsdp.errors import SaveError, write_error
 
 _logger = logging.getLogger(__name__)
 
@@ -271,6 +271,32 @@ def _size(count: int) -> str:
     from fabric_hsdp.units import format_binary_bytes
 
     return format_binary_bytes(count)
+
+
+def check_writable(directory: Path) -> None:
+    """Create ``directory`` if missing, and a file in it (removed again): what a save does there, checked early.
+
+    Raises:
+        SaveError: ``directory`` or a file in it cannot be created, naming the directory that refused and why.
+    """
+    probe = directory / f".write-check-{socket.gethostname()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        if error.errno == errno.ENOTDIR or (directory.exists() and not directory.is_dir()):
+            blocking = next((part for part in [directory, *directory.parents] if part.is_file()), directory)
+            problem = f"'{blocking}' is a file, not a directory ({reason})"
+        elif directory.is_dir():
+            problem = f"cannot create a file in it ({reason})"
+        else:
+            problem = f"cannot create it ({reason})"
+        raise SaveError(
+            f"cannot save checkpoints in '{directory}': {problem}. Found before training: choose a directory every"
+            " rank can write, or change its permissions."
+        ) from None
 
 
 def check_destination(dest: Path, overwrite: bool) -> None:

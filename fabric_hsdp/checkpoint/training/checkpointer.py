@@ -19,6 +19,8 @@ from lightning.fabric.utilities.load import _move_state_into
 from torch import nn
 from torch.optim import Optimizer
 
+from fabric_hsdp.agreement import fail_together
+from fabric_hsdp.checkpoint.core.commit import check_writable
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.core.stored_rows import module_layout
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
@@ -97,6 +99,12 @@ class Checkpointer:
                 return
             background = self._background if self._background.enabled else None
             save_sharded(path, state, self._broadcast, background, filter)
+
+    def check_writable(self, directory: Any) -> None:
+        """Raise ``SaveError`` on every rank now if any rank cannot create files in rank 0's ``directory``."""
+        directory = self.agreed_path(directory)
+        with fail_together(f"checking that checkpoints can be written in '{directory}'"):
+            check_writable(directory)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure on every rank."""
