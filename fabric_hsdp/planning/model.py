@@ -155,8 +155,8 @@ class ModelShape:
         trainable = sum(parameter.numel for parameter in self.parameters if parameter.trainable)
         frozen = "" if trainable == self.num_parameters else f", {_count(trainable)} trainable"
         return (
-            f"{self.description}: {_count(self.num_parameters)} parameters{self._active()}{frozen}"
-            f" ({dims.num_layers} layers, hidden {dims.hidden_size}{heads}, {self._mlp()}, vocabulary {dims.vocab_size})"
+            f"{self.description}: {_count(self.num_parameters)} parameters{self._active()}{frozen} ({dims.num_layers}"
+            f" layers, hidden {dims.hidden_size}{heads}, {self._mlp()}, vocabulary {dims.vocab_size})"
         )
 
     def _mlp(self) -> str:

@@ -863,7 +863,7 @@ PLANTS: dict[str, Plant] = {
         (("    if len(set(load_name.values())) != len(load_name):\n", "    if False:\n"),),
         ("tests/test_lora.py::test_two_tensors_with_one_base_name_are_refused_as_ambiguous",),
     ),
-    "34f": Plant(
+    "34o": Plant(
         "a package error ends a launched job with one line on rank 0 (#34)",
         "no excepthook: every rank prints its own traceback of the package's ValueError",
         (
@@ -874,7 +874,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_errors.py::test_a_package_error_ends_the_job_with_one_line_on_rank_zero",),
     ),
-    "34g": Plant(
+    "34p": Plant(
         "the other ranks leave the package error to rank 0 (#34)",
         "every rank prints the one line (N lines for N ranks), as if rank 0's word were never awaited",
         (
@@ -885,7 +885,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_errors.py::test_a_package_error_ends_the_job_with_one_line_on_rank_zero",),
     ),
-    "34h": Plant(
+    "34q": Plant(
         "the fine-tune example resumes only a checkpoint of its own model (#34)",
         "no model check before the resume: DCP's key check names tensors, not the two models",
         (
@@ -896,7 +896,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_examples.py::test_finetune_refuses_to_resume_another_models_checkpoint_and_names_both",),
     ),
-    "34i": Plant(
+    "34r": Plant(
         "an unwritable save directory is found at start-up (#34)",
         "the start-up check does nothing: the unwritable --out_dir is found at the first save, after the steps",
         (
@@ -907,7 +907,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_examples.py::test_finetune_stops_before_step_1_when_out_dir_is_unwritable",),
     ),
-    "34j": Plant(
+    "34s": Plant(
         "FSDP2's view warning is hidden where it is known harmless: TP's local logits (#34)",
         "no filter: every TP run warns that the head's to_local() view 'can cause backward to fail'",
         (
@@ -918,7 +918,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/tensor_parallel/test_training.py::test_the_harmless_view_warning_of_tp_logits_is_not_shown",),
     ),
-    "34k": Plant(
+    "34t": Plant(
         "a user's set-up brings no torchao (#34)",
         "`make setup` (and so `make main`) installs the test extras, torchao with them: every process that imports"
         " transformers logs torchao's 'Failed to load ..._C_mxfp8...so' and two torch deprecation warnings",
@@ -930,7 +930,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_install.py",),
     ),
-    "34l": Plant(
+    "34u": Plant(
         "the examples say each fact of the job once (#34)",
         "facts printed on every node's local rank 0, as fabric.print does: one copy per node",
         (
@@ -941,7 +941,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_examples.py::test_finetune_says_each_fact_of_the_job_once",),
     ),
-    "34m": Plant(
+    "34v": Plant(
         "ranks waiting in the rendezvous for a node that never started say so (#34)",
         "no notice: the ranks that started wait silently until the rendezvous times out",
         (
@@ -952,7 +952,7 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_distributed.py::test_ranks_waiting_for_a_node_that_never_started_say_so_once_per_node",),
     ),
-    "34n": Plant(
+    "34w": Plant(
         "a node waiting in torchrun's rendezvous under `fabric-hsdp run` says so (#34)",
         "the notice is never given: node 0 stays silent for torchrun's whole 600 s rendezvous",
         (
