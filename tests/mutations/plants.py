@@ -67,7 +67,7 @@ PLANTS: dict[str, Plant] = {
         "with activation checkpointing the planner forgets the one layer being recomputed",
         (
             (
-                "    recompute = layer if checkpointed else 0  #",
+                "    recompute = max(routed if expert_layers else 0, dense) if checkpointed else 0  #",
                 "    recompute = 0  #",
             ),
         ),
@@ -488,7 +488,12 @@ PLANTS: dict[str, Plant] = {
     "32a": Plant(
         "hub-layout MoE checkpoints load through transformers' conversion rules (#32 item 1)",
         "raw loads ignore the model family's conversion: the per-expert tensors meet the fused parameters",
-        (("    load.module = module\n", "    load.module = None\n"),),
+        (
+            (
+                "    load.split_mesh, load.optional, load.module = split_mesh, names.optional, module\n",
+                "    load.split_mesh, load.optional, load.module = split_mesh, names.optional, None\n",
+            ),
+        ),
         (
             "tests/checkpoint/test_moe_checkpoints.py::test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts[qwen3_moe-modes0]",
         ),
