@@ -578,7 +578,9 @@ def main(
     checkpoints = out_dir / "checkpoints"
     checkpoint = resume_from(fabric, checkpoints, resume)
     if checkpoint is not None:
-        note = check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=resume not in (True, "true", "True"))
+        # a LoRA run's checkpoints hold its adapters only
+        saved = {name: shape for name, shape in shapes.items() if name in adapters} if lora_r else shapes
+        note = check_same_model(checkpoint, checkpoint_dir, saved, tied, chosen=resume not in (True, "true", "True"))
         if note:
             say(fabric, note)
         begun = time.perf_counter()

@@ -27,21 +27,30 @@ def dcp_checkpoint(path, value=1.0):
 
 
 class Printer(SimpleNamespace):
-    def __init__(self, **kwargs):
-        super().__init__(**{"lines": [], "global_rank": 0, "world_size": 1, "device": torch.device("cpu"), **kwargs})
+    """A fabric of one rank; ``lines``: what the examples said, by ``fabric.print`` or on stdout (``say``)."""
+
+    def __init__(self, capsys=None, **kwargs):
+        super().__init__(**{"said": [], "global_rank": 0, "world_size": 1, "device": torch.device("cpu"), **kwargs})
+        self.capsys = capsys
 
     def print(self, line):
-        self.lines.append(line)
+        self.said.append(line)
+
+    @property
+    def lines(self):
+        if self.capsys is not None:
+            self.said.extend(self.capsys.readouterr().out.splitlines())
+        return self.said
 
 
-def test_resume_skips_incomplete_checkpoints_with_the_reason_and_honours_a_path(tmp_path):
+def test_resume_skips_incomplete_checkpoints_with_the_reason_and_honours_a_path(tmp_path, capsys):
     checkpoints = tmp_path / "checkpoints"
     dcp_checkpoint(checkpoints / "step-000004")
     dcp_checkpoint(checkpoints / "step-000006")
     (checkpoints / "step-000006" / ".metadata").unlink()  # its writer's files, no metadata: not a checkpoint
     (checkpoints / "step-000008").mkdir()
     (checkpoints / "not-a-step").mkdir()
-    fabric = Printer()
+    fabric = Printer(capsys)
     assert resume_from(fabric, checkpoints, True) == checkpoints / "step-000004"
     assert [line.split(":")[0] for line in fabric.lines] == ["skipped step-000008", "skipped step-000006"]
     assert ".metadata" in fabric.lines[1]
@@ -66,8 +75,8 @@ def test_latest_points_at_the_newest_and_keep_last_spares_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000002", "step-000006", "step-000008"]
 
 
-def test_a_new_data_parallel_size_keeps_the_global_batch_or_says_what_changed():
-    fabric = Printer()
+def test_a_new_data_parallel_size_keeps_the_global_batch_or_says_what_changed(capsys):
+    fabric = Printer(capsys)
     saved = {"data_parallel_size": 4, "global_batch": 16}  # 2 x 2 nodes, batch 4
     # 1 x 4 with TP 2: two data-parallel ranks; twice the accumulation keeps 16
     assert keep_global_batch(fabric, dict(saved), batch_size=4, data_ranks=2, accumulate=1) == 2

@@ -54,7 +54,11 @@ def test_a_damaged_meta_file_fails_the_load_with_checkpoint_error_naming_it(shar
     shutil.copytree(sharded_checkpoint, tmp_path, dirs_exist_ok=True)
     meta = tmp_path / "ckpt" / "meta.pt"
     meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
-    result = launch("tests.scenarios.checkpoints:load", {"out": str(tmp_path)}, num_nodes=1, ranks_per_node=2)
+    # each rank's own error (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
+    debug = {"FABRIC_HSDP_DEBUG": "1"}
+    result = launch(
+        "tests.scenarios.checkpoints:load", {"out": str(tmp_path)}, num_nodes=1, ranks_per_node=2, env=debug
+    )
     assert not result.timed_out and all(code != 0 for code in result.returncodes), result.returncodes
     for rank in result.ranks:
         assert f"CheckpointError: '{meta}' is truncated or damaged" in rank.stderr, rank.stderr[-3000:]

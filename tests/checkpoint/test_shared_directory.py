@@ -6,7 +6,11 @@ from tests.helpers.launch import launch
 
 
 def test_a_checkpoint_path_not_shared_across_nodes_fails_the_save_on_every_rank(tmp_path):
-    result = launch("tests.scenarios.node_local:save_to_node_local_path", {"root": str(tmp_path)}, timeout=240)
+    # each rank's own error (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
+    debug = {"FABRIC_HSDP_DEBUG": "1"}
+    result = launch(
+        "tests.scenarios.node_local:save_to_node_local_path", {"root": str(tmp_path)}, timeout=240, env=debug
+    )
     assert result.returncodes == [1, 1, 1, 1], result.returncodes
     for rank in result.ranks:
         assert "checkpoint '/proc/self/cwd/checkpoint' is not on a directory shared by every node" in rank.stderr, (

@@ -124,14 +124,17 @@ def _train_sharded(
             optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
     layers = [sub for sub in model.modules() if isinstance(sub, layer_class(kind))]
     # calls of the layer class's own forward: the recompute runs it inside the checkpoint, not through the layer's
-    # hooks (as torchtitan's checkpoint_wrapper reruns the wrapped module's forward)
+    # hooks (as torchtitan's checkpoint_wrapper reruns the wrapped module's forward). Not in compiled blocks
+    # (Module.compile): the graph recomputes inside its own backward, and the counter would be a guard to recompile on.
     forwards, layer_forward = [0], layer_class(kind).forward
+    compiled = any(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
 
     def counted_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         forwards[0] += 1
         return layer_forward(self, *args, **kwargs)
 
-    layer_class(kind).forward = counted_forward
+    if not compiled:
+        layer_class(kind).forward = counted_forward
     hooks = []
     # in training: FSDP2 leaves a layer's parameters gathered after its forward with reshard_after_forward=False
     after_forward: list[bool] = []
@@ -175,7 +178,7 @@ def _train_sharded(
         hook.remove()
     layer_class(kind).forward = layer_forward
     config = getattr(getattr(model, "module", model), "config", None)
-    per_micro_batch = forwards[0] / (len(layers) * steps * accumulate)
+    per_micro_batch = float("nan") if compiled else forwards[0] / (len(layers) * steps * accumulate)
     state = full_state(model)
     with torch.no_grad():  # a forward without gradients, after which the strategy reshards every unit
         logits_of(model, inputs[:1])

@@ -112,7 +112,9 @@ def test_init_under_tensor_parallelism():
     ids=["size-crosses-nodes", "three-heads-over-two"],
 )
 def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
-    result = launch("tests.scenarios.core:bad_tensor_parallel", args, timeout=120, fail_grace=90)
+    # each rank's own error (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
+    debug = {"FABRIC_HSDP_DEBUG": "1"}
+    result = launch("tests.scenarios.core:bad_tensor_parallel", args, timeout=120, fail_grace=90, env=debug)
     assert not result.timed_out
     assert result.returncodes == [1, 1, 1, 1]
     for rank in result.ranks:
