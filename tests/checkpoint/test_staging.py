@@ -43,7 +43,7 @@ def staged_sources(num_nodes: int, devices: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
-    from fabric_hsdp.checkpoint.core.stored_rows import module_layout
+    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
     from fabric_hsdp.checkpoint.core.tree import tree_leaves
     from fabric_hsdp.checkpoint.training import staging
     from fabric_hsdp.checkpoint.training.state import CheckpointState
@@ -54,7 +54,7 @@ def staged_sources(num_nodes: int, devices: int) -> dict:
     model, optimizer, scheduler = setup_training(fabric, kind="litgpt", empty_init=False)
     train_steps(fabric, model, optimizer, scheduler, steps=1)
     checkpoint = CheckpointState({"model": model.module, "optimizer": optimizer.optimizer})
-    with module_layout():
+    with held_row_order():
         state, _ = checkpoint.stored(checkpoint.tensors())
     live = set()
     for _, leaf in tree_leaves(state, (torch.Tensor, StoredBoxes)):

@@ -41,8 +41,8 @@ PLANTS: dict[str, Plant] = {
         "every save over an existing checkpoint raises (the old checkpoint stays: 'old XOR new' held before)",
         (
             (
-                "        self.staged = Path(broadcast(staging_path(path)))\n",
-                "        self.staged = Path(broadcast(staging_path(path)))\n"
+                "        self.staged = Path(broadcast(pending_path(path)))\n",
+                "        self.staged = Path(broadcast(pending_path(path)))\n"
                 "        if path.exists():\n"
                 "            raise OSError('planted: saving over a checkpoint fails')\n",
             ),
@@ -221,7 +221,7 @@ PLANTS: dict[str, Plant] = {
         "the dry run's save reads the state dict through the export hooks (whole litgpt qkv weights on every rank)",
         (
             (
-                "    with module_layout():  # as the strategy's save",
+                "    with held_row_order():  # as the strategy's save",
                 "    import contextlib\n\n    with contextlib.nullcontext():  # planted; as the strategy's save",
             ),
         ),
@@ -311,15 +311,15 @@ PLANTS: dict[str, Plant] = {
         "save_full runs outside the watch: rank 0's stuck write leaves the others in its gathers",
         (
             (
-                "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
+                "        with held_row_order(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
                 '            if full or self.state_dict_type == "full" or path.suffix == ".safetensors":\n'
                 "                save_full(path, state, filter)  # rank 0 writes; the others wait in its gathers\n"
                 "                return\n",
                 '        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":  # planted\n'
-                "            with module_layout():\n"
+                "            with held_row_order():\n"
                 "                save_full(path, state, filter)\n"
                 "            return\n"
-                "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
+                "        with held_row_order(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
             ),
         ),
         (
