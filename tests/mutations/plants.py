@@ -474,6 +474,24 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_float8.py",),
     ),
+    "35m": Plant(
+        "the writing thread binds the rank's device before it waits for the copies (#35 item 2)",
+        "ready() synchronizes the copies' event on the writing thread's current device, cuda:0 on every rank",
+        (("            torch.cuda.set_device(device)\n", "            pass\n"),),
+        (
+            "tests/checkpoint/test_staging.py::"
+            "test_the_writing_thread_binds_the_ranks_device_before_it_waits_for_the_copies",
+        ),
+    ),
+    "35n": Plant(
+        "the background writer reads the host copies with DCP's serial loader (#35 item 2)",
+        "DCP's overlapping loader: it syncs the writing thread's current CUDA stream (GPU 0's) for host tensors",
+        (("        self.per_thread_copy_ahead = 0\n", "        pass\n"),),
+        (
+            "tests/checkpoint/test_staging.py::"
+            "test_the_writing_thread_binds_the_ranks_device_before_it_waits_for_the_copies",
+        ),
+    ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",
         "no key check before DCP's load: torch's bare 'Missing key in checkpoint state_dict'",
