@@ -225,8 +225,8 @@ def _report_errors(work: Callable[[], None], debug: bool) -> int:
 
 
 def _terminate_like_interrupt(terminated: list[int]) -> Any:
-    """SIGTERM (``scancel``, a job's time limit, ``kill``) unwinds like Ctrl-C, so staging is removed; returns the
-    previous handler (None where signals cannot be set: not the main thread)."""
+    """SIGTERM (``scancel``, a job's time limit, ``kill``) unwinds like Ctrl-C, so a pending save's directory is
+    removed; returns the previous handler (None where signals cannot be set: not the main thread)."""
 
     def handler(signum: int, frame: Any) -> None:
         terminated.append(signum)

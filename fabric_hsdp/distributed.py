@@ -24,7 +24,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from fabric_hsdp import versions
 from fabric_hsdp.launchers import describe_launch
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.rank_layout import check_rank_layout, gather_placements
+from fabric_hsdp.rank_placement import check_rank_placement, gather_placements
 
 if TYPE_CHECKING:
     from fabric_hsdp.launchers import Launcher
@@ -60,7 +60,7 @@ def start_processes(
     )
     info_on_rank_zero(_logger, "%s", describe_launch(launched_by, environment))
     placements = gather_placements(environment.global_rank(), node_rank, local_rank)
-    check_rank_layout(placements, ranks_per_node, launched_by)
+    check_rank_placement(placements, ranks_per_node, launched_by)
     return backend
 
 

@@ -67,10 +67,10 @@ _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def write_error(path: str | os.PathLike, error: OSError, *, creating: bool = False) -> SaveError:
-    """The error for an ``OSError`` met writing the checkpoint or output ``path`` through its hidden staging sibling.
+    """The error for an ``OSError`` met writing the checkpoint or output ``path`` through its hidden pending sibling.
 
-    It names ``path`` and its directory, never the staging path the ``OSError`` names. ``creating``: the error came
-    from creating the staging sibling, so the directory refused a new entry whatever the errno (``/proc`` says
+    It names ``path`` and its directory, never the pending path the ``OSError`` names. ``creating``: the error came
+    from creating the pending sibling, so the directory refused a new entry whatever the errno (``/proc`` says
     ``ENOENT``).
     """
     path = Path(path)

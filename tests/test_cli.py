@@ -198,7 +198,7 @@ def read_only_dir(tmp_path):
 
 
 @pytest.mark.parametrize("dest_name", ["out", "out.pth", "out.safetensors", "hf"])
-def test_unwritable_destination_names_it_not_the_staging_path(
+def test_unwritable_destination_names_it_not_the_pending_path(
     tmp_path, checkpoint, read_only_dir, capsys, monkeypatch, dest_name
 ):
     """Root writes through chmod, so the refusals are a read-only mount, /proc and a planted failed rename."""
@@ -287,7 +287,7 @@ def test_staging_left_by_a_killed_conversion_is_removed_by_the_next(tmp_path, ch
     assert (
         f"fabric-hsdp: removing '{killed}' (2.9 KiB), left by an interrupted write of '{tmp_path / 'out.pth'}'" in err
     )
-    assert f"is being written by process {os.getppid()} on this host (staging '{live}')" in err
+    assert f"is being written by process {os.getppid()} on this host (pending '{live}')" in err
     assert not killed.exists() and live.exists() and other.exists() and (tmp_path / "out.pth").is_file()
 
 

@@ -67,7 +67,7 @@ def test_latest_points_at_the_newest_and_keep_last_spares_it(tmp_path):
     point_latest(tmp_path, tmp_path / "step-000004")
     point_latest(tmp_path, tmp_path / "step-000008")  # replaced, not added to
     assert os.readlink(tmp_path / "latest") == "step-000008"
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no pending directory left
     assert keep_last(tmp_path, 0) == []
     point_latest(tmp_path, tmp_path / "step-000002")  # e.g. a run resumed from an old one and saved nothing yet
     removed = keep_last(tmp_path, 2)

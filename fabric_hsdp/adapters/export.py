@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fabric_hsdp.adapters.names import adapter_keys
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.commit import atomic_output
+from fabric_hsdp.checkpoint.core.wrapped_names import adapter_keys
 
 
 def gathered_adapters(model: nn.Module) -> dict[str, torch.Tensor]:

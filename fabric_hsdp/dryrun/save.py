@@ -1,6 +1,6 @@
 """A save in a dry run: this rank's DCP files go to a scratch directory; nothing is committed at the script's path.
 
-A sharded save's commit needs every rank's files (rank 0 renames the staging directory once all have written), and
+A sharded save's commit needs every rank's files (rank 0 renames the pending directory once all have written), and
 the other ranks' files do not exist in a dry run: the commit is skipped, and the report says so. What this rank
 writes here is all of its shards; in the real save DCP's planner spreads the writes of a chunk held by ``k`` ranks
 (replicas, or tensor-parallel peers of an unsplit tensor) over those ``k``, so the report also gives this rank's
@@ -40,7 +40,7 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     from lightning.fabric.wrappers import _unwrap_objects
 
     from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-    from fabric_hsdp.checkpoint.core.stored_rows import module_layout
+    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
     from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
     from fabric_hsdp.checkpoint.training.sharded import save_meta
     from fabric_hsdp.checkpoint.training.state import CheckpointState
@@ -51,7 +51,7 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     checkpoint = CheckpointState(state)
     target = scratch / f"{path.name or 'checkpoint'}.rank{rank}"
     target.mkdir(parents=True, exist_ok=True)
-    with module_layout():  # as the strategy's save: the checkpoint code maps TP's regrouped rows shard by shard
+    with held_row_order():  # as the strategy's save: the checkpoint code maps TP's regrouped rows shard by shard
         tensors = checkpoint.tensors()
     share = _expected_share(tensors, strategy.parallel_mesh)
     stored, _ = checkpoint.stored(tensors)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fabric_hsdp.checkpoint.core.stored_rows import ATTRIBUTE, FusedRows, fused_rows_of, module_layout
+from fabric_hsdp.checkpoint.core.stored_rows import ATTRIBUTE, FusedRows, fused_rows_of, held_row_order
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.tensor_parallel.fused_rows import add_state_dict_hooks
 from fabric_hsdp.tensor_parallel.loss import loss_parallel
@@ -50,7 +50,7 @@ __all__ = [
     "finish_tensor_parallel",
     "fused_rows_of",
     "loss_parallel",
-    "module_layout",
+    "held_row_order",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def _check_divisible(name: str, module: nn.Module, style: Any, size: int, sizes:
     extent = module.weight.shape[index]
     if isinstance(style, FusedColwise):
         blocks = style.block_sizes(extent)
-        units = style.block_units or blocks
+        units = style.block_heads or blocks
         names = style.block_names or tuple(f"block {i}" for i in range(len(blocks)))
         for block_name, unit_count in zip(names, units):
             if unit_count % size:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, in_module_layout
+from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, in_held_row_order
 from fabric_hsdp.versions import module_parameters, register_load_state_dict_pre_hook, register_state_dict_hook
 
 
@@ -40,7 +40,7 @@ def add_state_dict_hooks(module: nn.Module, fused: FusedRows) -> None:
     def to_stored(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         from torch.distributed.tensor import DTensor, Replicate
 
-        if in_module_layout():
+        if in_held_row_order():
             return
         for key in list(keys(prefix, state_dict)):
             value = state_dict[key].detach()
@@ -54,7 +54,7 @@ def add_state_dict_hooks(module: nn.Module, fused: FusedRows) -> None:
     def to_module(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        if in_module_layout():
+        if in_held_row_order():
             return
         for key in list(keys(prefix, state_dict)):
             value, param = state_dict[key], module_parameters(module)[key[len(prefix) :]]

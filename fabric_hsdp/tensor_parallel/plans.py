@@ -129,7 +129,7 @@ def _litgpt_plan(model: nn.Module) -> ModelPlan:
     qkv = FusedColwise(
         blocks=(heads * head_size, groups * head_size, groups * head_size),
         block_names=("query heads", "key groups", "value groups"),
-        block_units=(heads, groups, groups),
+        block_heads=(heads, groups, groups),
     )
     styles: dict[str, Any] = {"transformer.h.*.attn.qkv": qkv, "transformer.h.*.attn.proj": RowwiseParallel()}
     styles.update({f"transformer.h.*.{name}": style for name, style in mlp_styles.items()})

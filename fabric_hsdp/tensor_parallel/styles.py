@@ -33,13 +33,13 @@ class FusedColwise:
             n_kv * head_size)``; ``None``: ``parts`` equal blocks.
         parts: How many equal blocks when ``blocks`` is ``None``.
         block_names: What the blocks hold, for error messages (e.g. ``("query heads", "key groups", ...)``).
-        block_units: Each block's size in whole units that must not be split (heads), for error messages.
+        block_heads: Each block's size in whole units that must not be split (heads), for error messages.
     """
 
     blocks: tuple[int, ...] | None = None
     parts: int = 2
     block_names: tuple[str, ...] | None = None
-    block_units: tuple[int, ...] | None = None
+    block_heads: tuple[int, ...] | None = None
 
     def block_sizes(self, rows: int) -> tuple[int, ...]:
         if self.blocks is not None:

@@ -26,17 +26,17 @@ def test_commit_replaces_the_previous_checkpoint(tmp_path, monkeypatch, exchange
     if not exchange:  # a filesystem without renameat2(RENAME_EXCHANGE): two renames, the old copy parked between
         monkeypatch.setattr(commit, "_exchange", lambda first, second: False)
     target = make_dir(tmp_path / "ckpt", "old")
-    commit.commit(make_dir(commit.staging_path(target), "new"), target)
+    commit.commit(make_dir(commit.pending_path(target), "new"), target)
     assert content(target) == "new"
     assert hidden(tmp_path) == []
-    commit.commit(make_dir(commit.staging_path(tmp_path / "fresh"), "first"), tmp_path / "fresh")
+    commit.commit(make_dir(commit.pending_path(tmp_path / "fresh"), "first"), tmp_path / "fresh")
     assert content(tmp_path / "fresh") == "first"
 
 
 def test_fallback_puts_the_previous_checkpoint_back_when_the_second_rename_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(commit, "_exchange", lambda first, second: False)
     target = make_dir(tmp_path / "ckpt", "old")
-    staged = make_dir(commit.staging_path(target), "new")
+    staged = make_dir(commit.pending_path(target), "new")
     rename = os.rename
 
     def failing_rename(source, dest):
@@ -57,7 +57,7 @@ def test_leftovers_are_removed_and_a_parked_only_copy_is_restored(tmp_path):
     target = tmp_path / "ckpt"
     # killed between the fallback's two renames: the previous checkpoint is parked and `ckpt` is missing
     parked = make_dir(tmp_path / ".ckpt.previous-0123456789ab", "old")
-    stale = make_dir(commit.staging_path(target), "half")
+    stale = make_dir(commit.pending_path(target), "half")
     make_dir(tmp_path / "other", "keep")
     commit.remove_leftovers(target)
     assert content(target) == "old"
@@ -69,9 +69,9 @@ def test_leftovers_are_removed_and_a_parked_only_copy_is_restored(tmp_path):
     assert content(target) == "old" and hidden(tmp_path) == []
 
 
-def test_discard_removes_only_its_staging_directory(tmp_path):
+def test_discard_removes_only_its_pending_directory(tmp_path):
     target = tmp_path / "ckpt"
     parked = make_dir(tmp_path / ".ckpt.previous-0123456789ab", "old")
-    staged = make_dir(commit.staging_path(target), "new")
+    staged = make_dir(commit.pending_path(target), "new")
     commit.discard(staged)
     assert not staged.exists() and content(parked) == "old"

@@ -263,8 +263,8 @@ def test_one_rank_failing_to_write_fails_all_and_keeps_previous(tmp_path, async_
         assert facts["error"] is not None
         assert f"'{tmp_path / 'ckpt'}'" in facts["error"]
         assert "rank 2: PermissionError" in facts["error"], facts["error"]
-        assert ".ckpt.saving-" not in facts["error"]  # the user's path, not the hidden staging directory
-    # rank 0 gets an OSError creating the staging directory or committing: SaveError there, PeerRankError elsewhere
+        assert ".ckpt.saving-" not in facts["error"]  # the user's path, not the hidden pending directory
+    # rank 0 gets an OSError creating the pending directory or committing: SaveError there, PeerRankError elsewhere
     file_parent = tmp_path / "a_file"
     expected_rank0 = {
         "parent_is_a_file": f"SaveError: cannot write '{file_parent / 'ckpt'}': '{file_parent}' is a file, not a"

@@ -16,5 +16,5 @@ def test_a_checkpoint_path_not_shared_across_nodes_fails_the_save_on_every_rank(
         assert "checkpoint '/proc/self/cwd/checkpoint' is not on a directory shared by every node" in rank.stderr, (
             rank.stderr[-3000:]
         )
-    # nothing committed, and rank 0 removed its staging directory
+    # nothing committed, and rank 0 removed its pending directory
     assert sorted(p.name for p in (tmp_path / "node0").iterdir()) == []

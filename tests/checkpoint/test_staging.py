@@ -43,7 +43,7 @@ def staged_sources(num_nodes: int, devices: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
-    from fabric_hsdp.checkpoint.core.stored_rows import module_layout
+    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
     from fabric_hsdp.checkpoint.core.tree import tree_leaves
     from fabric_hsdp.checkpoint.training import staging
     from fabric_hsdp.checkpoint.training.state import CheckpointState
@@ -54,7 +54,7 @@ def staged_sources(num_nodes: int, devices: int) -> dict:
     model, optimizer, scheduler = setup_training(fabric, kind="litgpt", empty_init=False)
     train_steps(fabric, model, optimizer, scheduler, steps=1)
     checkpoint = CheckpointState({"model": model.module, "optimizer": optimizer.optimizer})
-    with module_layout():
+    with held_row_order():
         state, _ = checkpoint.stored(checkpoint.tensors())
     live = set()
     for _, leaf in tree_leaves(state, (torch.Tensor, StoredBoxes)):
@@ -139,3 +139,45 @@ def test_the_next_optimizer_step_waits_for_the_copies_and_only_it():
     stager.close()  # teardown: the writer waited for the copies; no hook is left behind
     optimizer.step()
     assert Event.waits == 2
+
+
+def test_the_writing_thread_binds_the_ranks_device_before_it_waits_for_the_copies(monkeypatch):
+    """#35 item 2: DCP's writing thread starts on cuda:0; waiting there for rank 3's copies would open a context on
+    GPU 0 from every rank of the node. The writer's ``ready`` binds the copies' device first, and the writer reads
+    the host copies with DCP's serial loader (the overlapping one syncs the thread's current CUDA stream)."""
+    import threading
+
+    from fabric_hsdp.checkpoint.training import background, staging
+
+    calls = []
+
+    class Event:
+        def record(self, stream):
+            calls.append(("record", threading.current_thread().name))
+
+        def synchronize(self):
+            calls.append(("synchronize", threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda device: calls.append(("set_device", f"{device} in {threading.current_thread().name}")),
+    )
+    stager = staging.Stager()
+    monkeypatch.setattr(stager, "_copy_stream", lambda: "the copy stream")
+    monkeypatch.setattr(stager, "wait_before_next_step", lambda event: calls.append(("before next step",)))
+    copies = staging._Copies(stager, {})
+    copies._device = torch.device("cuda", 3)  # a copy was issued from rank 3's GPU
+    ready = copies.finish()
+    writer_thread = threading.Thread(target=ready, name="writer")
+    writer_thread.start()
+    writer_thread.join()
+    main = threading.current_thread().name
+    assert calls == [
+        ("record", main),
+        ("before next step",),
+        ("set_device", "cuda:3 in writer"),
+        ("synchronize", "writer"),
+    ]
+    assert background._StagedWriter("/nowhere").per_thread_copy_ahead == 0

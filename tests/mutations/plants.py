@@ -41,8 +41,8 @@ PLANTS: dict[str, Plant] = {
         "every save over an existing checkpoint raises (the old checkpoint stays: 'old XOR new' held before)",
         (
             (
-                "        self.staged = Path(broadcast(staging_path(path)))\n",
-                "        self.staged = Path(broadcast(staging_path(path)))\n"
+                "        self.staged = Path(broadcast(pending_path(path)))\n",
+                "        self.staged = Path(broadcast(pending_path(path)))\n"
                 "        if path.exists():\n"
                 "            raise OSError('planted: saving over a checkpoint fails')\n",
             ),
@@ -221,7 +221,7 @@ PLANTS: dict[str, Plant] = {
         "the dry run's save reads the state dict through the export hooks (whole litgpt qkv weights on every rank)",
         (
             (
-                "    with module_layout():  # as the strategy's save",
+                "    with held_row_order():  # as the strategy's save",
                 "    import contextlib\n\n    with contextlib.nullcontext():  # planted; as the strategy's save",
             ),
         ),
@@ -311,15 +311,15 @@ PLANTS: dict[str, Plant] = {
         "save_full runs outside the watch: rank 0's stuck write leaves the others in its gathers",
         (
             (
-                "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
+                "        with held_row_order(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
                 '            if full or self.state_dict_type == "full" or path.suffix == ".safetensors":\n'
                 "                save_full(path, state, filter)  # rank 0 writes; the others wait in its gathers\n"
                 "                return\n",
                 '        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":  # planted\n'
-                "            with module_layout():\n"
+                "            with held_row_order():\n"
                 "                save_full(path, state, filter)\n"
                 "            return\n"
-                "        with module_layout(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
+                "        with held_row_order(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
             ),
         ),
         (
@@ -473,6 +473,24 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         ("tests/test_float8.py",),
+    ),
+    "35m": Plant(
+        "the writing thread binds the rank's device before it waits for the copies (#35 item 2)",
+        "ready() synchronizes the copies' event on the writing thread's current device, cuda:0 on every rank",
+        (("            torch.cuda.set_device(device)\n", "            pass\n"),),
+        (
+            "tests/checkpoint/test_staging.py::"
+            "test_the_writing_thread_binds_the_ranks_device_before_it_waits_for_the_copies",
+        ),
+    ),
+    "35n": Plant(
+        "the background writer reads the host copies with DCP's serial loader (#35 item 2)",
+        "DCP's overlapping loader: it syncs the writing thread's current CUDA stream (GPU 0's) for host tensors",
+        (("        self.per_thread_copy_ahead = 0\n", "        pass\n"),),
+        (
+            "tests/checkpoint/test_staging.py::"
+            "test_the_writing_thread_binds_the_ranks_device_before_it_waits_for_the_copies",
+        ),
     ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",

@@ -4,7 +4,7 @@ fabric, from both config sources (issue #34).
 The expected answers are written as an expert gives them, not computed by the test, each with its reasoning beside
 it. Every layout runs the same global batch (issue #34: the rows used to run different batches, 262,144 down to
 32,768 tokens per step, and the per-token rule could never pick TP), with the micro-batch and recompute the memory
-allows. MoE and LoRA rows come with those features.
+allows. The MoE rows (Qwen3-MoE) follow the Llama ones.
 """
 
 import json
@@ -70,6 +70,34 @@ TORCHTITAN = {
     # each data-parallel rank a whole sequence) with recompute, one gather per step.
     "slow": (128, 2, (1, 64, 2), 1, 1, "full"),
 }
+
+
+# Qwen3-MoE (the published configs: 30B-A3B, 235B-A22B), same clusters and training. The planner offers no expert
+# parallelism and refuses TP on experts, so the choices are the shard group and recompute.
+MOE_EXPERT_TABLE = {
+    # 30.5 B parameters at 16 B each: 61 GB of state per GPU in one node's group leaves no room for the gathered MoE
+    # layers (each all 128 experts) and activations within 72 GB usable, even with recompute; over both nodes it is
+    # 30.5 GB, and a sequence fits without recompute. Any fabric: the group must span the nodes.
+    ("30B-A3B", 2, "slow"): (16, 1, (1, 16), 1, 1, "none"),
+    ("30B-A3B", 2, "fast"): (16, 1, (1, 16), 1, 1, "none"),
+    # On 16 nodes a two-node group (mesh (8, 16)) would fit too, but a ring gather crossing nodes sends about the
+    # model's bytes per node whatever the group spans, and the replicas add an all-reduce: all ranks, no recompute.
+    ("30B-A3B", 16, "slow"): (128, 1, (1, 128), 1, 1, "none"),
+    ("30B-A3B", 16, "fast"): (128, 1, (1, 128), 1, 1, "none"),
+    # 235 B parameters: 3.8 TB of state, 235 GB per GPU over 16: nothing fits on 2 nodes.
+    ("235B-A22B", 2, "slow"): None,
+    ("235B-A22B", 2, "fast"): None,
+    # Over 128 GPUs 29 GB of state each, but a layer is ~2.5 B parameters (all 128 experts) and a sequence's
+    # activations through 94 such layers, kept for backward, take ~78 GB alone: recompute, all ranks.
+    ("235B-A22B", 16, "slow"): (128, 1, (1, 128), 1, 1, "full"),
+    ("235B-A22B", 16, "fast"): (128, 1, (1, 128), 1, 1, "full"),
+}
+QWEN3_MOE = {
+    "30B-A3B": {"hidden_size": 2048, "num_hidden_layers": 48, "moe_intermediate_size": 768, "intermediate_size": 6144,
+                "num_attention_heads": 32},
+    "235B-A22B": {"hidden_size": 4096, "num_hidden_layers": 94, "moe_intermediate_size": 1536,
+                  "intermediate_size": 12288, "num_attention_heads": 64},
+}  # fmt: skip
 
 
 def answer(plan):
@@ -223,3 +251,23 @@ def test_shard_size_auto_ranks_as_the_plan_does():
     kwargs.update(training=Training("bf16-mixed", Workload(1, 2048)), backend="nccl")
     topology, plan = auto_topology(model, 80 * 10**9, **kwargs)
     assert topology.mesh_shape == (2, 8) and plan.recommended.layout.shard_size == 8
+
+
+@pytest.fixture(scope="module")
+def moe_shapes():
+    """Qwen3-MoE's published configs, built by transformers on the meta device."""
+    from fabric_hsdp.planning.model import model_shape_of_module
+    from tests.planning.test_moe_plan import QWEN3_30B, meta_model
+
+    return {
+        size: model_shape_of_module(meta_model("qwen3_moe", **{**QWEN3_30B, **QWEN3_MOE[size]})) for size in QWEN3_MOE
+    }
+
+
+@pytest.mark.parametrize(("size", "nodes", "fabric"), list(MOE_EXPERT_TABLE))
+def test_the_recommendation_for_moe_models_is_the_experts(moe_shapes, size, nodes, fabric):
+    model = moe_shapes[size]
+    assert round(model.num_parameters / 1e9, 2) == {"30B-A3B": 30.53, "235B-A22B": 235.09}[size]  # published totals
+    training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
+    plan = make_plan(model, Cluster(nodes, 8, "80GB", **FABRICS[fabric]), training)
+    assert answer(plan) == MOE_EXPERT_TABLE[(size, nodes, fabric)]

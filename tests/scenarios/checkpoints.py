@@ -364,7 +364,7 @@ def fail_writing_on_one_rank(
 
 
 def _save_where_rank0_cannot_write(fabric: Any, model: Any, optimizer: Any, out: Path, path: Path) -> dict[str, str]:
-    """Two saves whose rank 0 gets an OSError: the checkpoint's parent is a regular file (creating the staging
+    """Two saves whose rank 0 gets an OSError: the checkpoint's parent is a regular file (creating the pending
     directory fails), and the final rename is refused (a read-only filesystem, planted); each rank's error by case."""
     import errno
 

@@ -139,10 +139,10 @@ def copy_full_into(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a sharded model: each rank keeps the slice its DTensor shard covers."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from fabric_hsdp.tensor_parallel import fused_rows_of, module_layout
+    from fabric_hsdp.tensor_parallel import fused_rows_of, held_row_order
 
     fused = fused_rows_of(getattr(model, "module", model))
-    with torch.no_grad(), module_layout():  # the parameters themselves, regrouped rows and all
+    with torch.no_grad(), held_row_order():  # the parameters themselves, regrouped rows and all
         for name, tensor in model.state_dict().items():
             full = fused[name].to_module_order(state[name]) if name in fused else state[name]
             if isinstance(tensor, DTensor):

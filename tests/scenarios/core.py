@@ -322,5 +322,5 @@ def fail_while_starting(num_nodes: int, devices: int, out: str) -> None:
 
     atexit.register(lambda: (Path(out) / str(os.getpid())).write_text(str(dist.is_initialized())))
     planted = ValueError("the launcher numbered the global ranks across nodes (planted)")
-    with mock.patch("fabric_hsdp.distributed.check_rank_layout", side_effect=planted):
+    with mock.patch("fabric_hsdp.distributed.check_rank_placement", side_effect=planted):
         make_fabric(num_nodes, devices)

@@ -89,7 +89,7 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
     import torch.distributed.checkpoint as dcp
 
     from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-    from fabric_hsdp.checkpoint.core.stored_rows import module_layout
+    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
     from fabric_hsdp.checkpoint.training.staging import Stager
     from fabric_hsdp.checkpoint.training.state import CheckpointState
     from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
@@ -105,7 +105,7 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
 
     def state() -> dict:
         checkpoint = CheckpointState({"model": model.module, "optimizer": optimizer.optimizer})
-        with module_layout():
+        with held_row_order():
             return checkpoint.stored(checkpoint.tensors())[0]
 
     first = stager.stage(state(), group)

@@ -42,7 +42,7 @@ def test_auto_plans_cover_transformers_litgpt_and_the_example():
     assert hf.heads == {"config.num_attention_heads": 4, "config.num_key_value_heads": 2}
     lit = auto_plan(build("litgpt"))
     qkv = lit.styles["transformer.h.*.attn.qkv"]
-    assert isinstance(qkv, FusedColwise) and qkv.blocks == (64, 32, 32) and qkv.block_units == (4, 2, 2)
+    assert isinstance(qkv, FusedColwise) and qkv.blocks == (64, 32, 32) and qkv.block_heads == (4, 2, 2)
     assert lit.heads == {"config.n_head": 4, "config.n_query_groups": 2}
     assert auto_plan(build("llama")).styles["layers.*.attention.wo"] == "rowwise"
     with pytest.raises(ValueError, match=r'tensor_parallel_plan="auto" knows no plan for Sequential .*\{"layers'):
@@ -109,7 +109,7 @@ def test_sequence_and_loss_parallelism_need_tensor_parallelism_and_a_plan_to_cha
 
 
 def test_fused_rows_state_dict_shows_the_stored_order_and_loads_it():
-    from fabric_hsdp.tensor_parallel import module_layout
+    from fabric_hsdp.tensor_parallel import held_row_order
     from fabric_hsdp.tensor_parallel.fused_rows import add_state_dict_hooks
 
     fused = FusedRows(blocks=(4, 2, 2), parts=2)
@@ -118,7 +118,7 @@ def test_fused_rows_state_dict_shows_the_stored_order_and_loads_it():
         module.weight.copy_(fused.to_module_order(torch.arange(8.0)).view(8, 1))  # as tensor parallelism holds it
     add_state_dict_hooks(module, fused)
     assert module.state_dict()["weight"].flatten().tolist() == list(range(8))  # litgpt's [Q; K; V]
-    with module_layout():  # this package's checkpoint code sees the rows as they are
+    with held_row_order():  # this package's checkpoint code sees the rows as they are
         assert module.state_dict()["weight"].flatten().tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
     module.load_state_dict({"weight": torch.arange(8.0).view(8, 1) + 10})
     assert module.weight.flatten().tolist() == [10, 11, 14, 16, 12, 13, 15, 17]

@@ -1,12 +1,12 @@
 """Make a checkpoint visible at its path all at once: the atomic swap of a sharded save, and atomic file outputs.
 
-Every rank writes into a hidden staging sibling (``.NAME.saving-<id>``). Only after all ranks have finished does rank
+Every rank writes into a hidden pending sibling (``.NAME.saving-<id>``). Only after all ranks have finished does rank
 0 swap it into place with one atomic ``renameat2(RENAME_EXCHANGE)`` (or a plain ``rename`` when nothing is there
-yet), then deletes the previous checkpoint that the swap moved into the staging name. A process killed at any moment
+yet), then deletes the previous checkpoint that the swap moved into the pending name. A process killed at any moment
 therefore leaves at ``path`` either the previous checkpoint or the new one. Filesystems without ``RENAME_EXCHANGE``
 fall back to two renames, with the previous checkpoint parked as ``.NAME.previous-<id>`` in between.
 
-:class:`StagedSave` is one sharded save's staging directory from its creation to its commit or discard.
+:class:`PendingSave` is one sharded save's pending directory from its creation to its commit or discard.
 :func:`atomic_output` gives single-process writers (conversion, full exports) the same guarantee for a file or a
 directory: they write into a hidden sibling, which is fsync'ed and renamed into place only on success.
 """
@@ -35,22 +35,22 @@ _logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-_STAGING = ".saving-"
+_PENDING = ".saving-"
 _PREVIOUS = ".previous-"
-_OUTPUT_STAGING = ".tmp-"  # atomic_output's: .NAME.tmp-<id>/NAME
+_OUTPUT_PENDING = ".tmp-"  # atomic_output's: .NAME.tmp-<id>/NAME
 _OWNER = ".owner"
 
 
-def staging_path(path: Path) -> Path:
+def pending_path(path: Path) -> Path:
     """A fresh hidden sibling of ``path`` to write into (same directory, so the final rename stays atomic)."""
-    return path.parent / f".{path.name}{_STAGING}{uuid.uuid4().hex[:12]}"
+    return path.parent / f".{path.name}{_PENDING}{uuid.uuid4().hex[:12]}"
 
 
 def leftovers(path: Path) -> list[Path]:
-    """Staging or parked siblings of ``path`` left by saves that were killed."""
+    """Pending or parked siblings of ``path`` left by saves that were killed."""
     if not path.parent.is_dir():
         return []
-    prefixes = (f".{path.name}{_STAGING}", f".{path.name}{_PREVIOUS}")
+    prefixes = (f".{path.name}{_PENDING}", f".{path.name}{_PREVIOUS}")
     return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefixes))
 
 
@@ -62,7 +62,7 @@ def parked_copies(path: Path) -> list[Path]:
 def remove_leftovers(path: Path) -> None:
     """Clean up after killed saves of ``path`` (called by rank 0 before a new save).
 
-    Staging directories are deleted. A parked previous checkpoint (a save killed between the two renames of the
+    Pending directories are deleted. A parked previous checkpoint (a save killed between the two renames of the
     fallback swap) is the only copy when ``path`` is missing: it is renamed back to ``path``; otherwise deleted.
     """
     for stale in leftovers(path):
@@ -75,7 +75,7 @@ def remove_leftovers(path: Path) -> None:
 
 
 def check_shared(marker: Path, path: Path, timeout: float = 10.0) -> None:
-    """Raise unless this rank sees ``marker``, a file rank 0 wrote into the staging directory of ``path``.
+    """Raise unless this rank sees ``marker``, a file rank 0 wrote into the pending directory of ``path``.
 
     Every rank writes its shards into that directory and rank 0 commits it: on a path local to each node, the
     other nodes' shards would stay behind in their own copies and the checkpoint would fail only at load. Waits up
@@ -89,7 +89,7 @@ def check_shared(marker: Path, path: Path, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise FileNotFoundError(
                 f"checkpoint '{path}' is not on a directory shared by every node: this rank (host"
-                f" {socket.gethostname()}) does not see '{marker.name}' that rank 0 wrote into the staging directory"
+                f" {socket.gethostname()}) does not see '{marker.name}' that rank 0 wrote into the pending directory"
                 f" '{marker.parent}' {timeout:.0f} s ago, so its shards would be lost. Save to a filesystem every"
                 " node mounts (NFS, Lustre, GPFS), or save a full checkpoint (state_dict_type='full': rank 0"
                 " writes, load it with load_mode='rank0')."
@@ -98,7 +98,7 @@ def check_shared(marker: Path, path: Path, timeout: float = 10.0) -> None:
 
 
 def discard(staged: Path) -> None:
-    """Delete the staging directory of a save that failed (and nothing else: a parked checkpoint stays)."""
+    """Delete the pending directory of a save that failed (and nothing else: a parked checkpoint stays)."""
     remove_path(staged)
 
 
@@ -112,18 +112,18 @@ def commit_and_log(staged: Path, path: Path, started: float, verb: str) -> None:
     log_throughput(verb, path, time.monotonic() - started)
 
 
-class StagedSave:
-    """The staging directory of one sharded save of ``path``: every rank writes into it, rank 0 creates it, commits it
+class PendingSave:
+    """The pending directory of one sharded save of ``path``: every rank writes into it, rank 0 creates it, commits it
     to ``path`` once all have written, or discards it (leaving the previous checkpoint at ``path`` untouched).
 
-    ``broadcast`` hands rank 0's object to every rank (its staging name is the one all write into). The methods
+    ``broadcast`` hands rank 0's object to every rank (its pending name is the one all write into). The methods
     that change the directory act on rank 0 only: call them on every rank, each at the same point.
     """
 
     def __init__(self, path: Path, broadcast: Callable[[Any], Any], rank: int) -> None:
         self.path = path
         self.rank = rank
-        self.staged = Path(broadcast(staging_path(path)))
+        self.staged = Path(broadcast(pending_path(path)))
         self.started = time.monotonic()
 
     def create(self, write_marker: Callable[[Path], None]) -> None:
@@ -153,7 +153,7 @@ class StagedSave:
             commit_and_log(self.staged, self.path, self.started, verb)
 
     def discard(self) -> None:
-        """Rank 0: delete the staging directory of a save that failed."""
+        """Rank 0: delete the pending directory of a save that failed."""
         if self.rank == 0:
             discard(self.staged)
 
@@ -226,19 +226,19 @@ def fsync_tree(path: Path) -> None:
 
 
 def remove_stale_outputs(dest: Path) -> list[Path]:
-    """Delete the staging of earlier writes of ``dest`` that were killed (``kill -9``, a node lost); return them.
+    """Delete the pending directories of killed earlier writes of ``dest`` (``kill -9``, a node lost); return them.
 
-    A staging directory whose writer still runs on this host (its ``.owner`` names a live process), or was started on
+    A pending directory whose writer still runs on this host (its ``.owner`` names a live process), or was started on
     another host (which this one cannot check), is left alone and reported.
     """
     if not dest.parent.is_dir():
         return []
     removed = []
-    for stale in sorted(dest.parent.glob(f".{glob.escape(dest.name)}{_OUTPUT_STAGING}*")):
+    for stale in sorted(dest.parent.glob(f".{glob.escape(dest.name)}{_OUTPUT_PENDING}*")):
         owner = _owner(stale)
         if owner is not None:
             _logger.warning(
-                "'%s' is being written by %s (staging '%s'); if that write is over, remove the staging",
+                "'%s' is being written by %s (pending '%s'); if that write is over, remove the pending directory",
                 dest,
                 owner,
                 stale,
@@ -251,10 +251,10 @@ def remove_stale_outputs(dest: Path) -> list[Path]:
     return removed
 
 
-def _owner(staging: Path) -> str | None:
-    """Who may still write ``staging`` (``"process N on this host"``, ``"a process on host H"``), else None."""
+def _owner(pending: Path) -> str | None:
+    """Who may still write ``pending`` (``"process N on this host"``, ``"a process on host H"``), else None."""
     try:
-        host, pid = (staging / _OWNER).read_text().split()
+        host, pid = (pending / _OWNER).read_text().split()
         if host != socket.gethostname():
             return f"process {pid} on host {host}"
         if int(pid) == os.getpid():
@@ -328,33 +328,33 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
         FileExistsError: ``dest`` exists and ``overwrite`` is false.
         FileNotFoundError: ``dest``'s parent directory does not exist.
         NotADirectoryError: ``dest``'s parent is a file.
-        SaveError: the staging sibling cannot be created (the directory is not writable: read-only, no permission)
-            or the result cannot be renamed to ``dest``; the message names ``dest``, not the hidden staging path.
+        SaveError: the pending sibling cannot be created (the directory is not writable: read-only, no permission)
+            or the result cannot be renamed to ``dest``; the message names ``dest``, not the hidden pending path.
         OSError: writing failed (e.g. a full disk), re-raised naming ``dest``.
     """
     dest = Path(dest)
     check_destination(dest, overwrite)
     parent = dest.parent
     remove_stale_outputs(dest)
-    staging = parent / f".{dest.name}{_OUTPUT_STAGING}{uuid.uuid4().hex[:12]}"
+    pending = parent / f".{dest.name}{_OUTPUT_PENDING}{uuid.uuid4().hex[:12]}"
     try:
-        staging.mkdir()
-        (staging / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")  # who writes it, for the next writer
+        pending.mkdir()
+        (pending / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")  # who writes it, for the next writer
     except OSError as error:
-        remove_path(staging)
+        remove_path(pending)
         raise write_error(dest, error, creating=True) from None
     except BaseException:  # a signal handled as the mkdir returned: the directory may exist already
-        remove_path(staging)
+        remove_path(pending)
         raise
     try:
         try:
-            yield staging / dest.name
+            yield pending / dest.name
         except OSError as error:
-            staged = error.filename is not None and str(error.filename).startswith(str(staging))
+            staged = error.filename is not None and str(error.filename).startswith(str(pending))
             if (error.filename is None or staged) and error.errno is not None:  # e.g. a full disk: name the output
                 raise type(error)(error.errno, error.strerror, str(dest)) from error
             raise
-        result = staging / dest.name
+        result = pending / dest.name
         if not (result.exists() or result.is_symlink()):
             raise RuntimeError(f"nothing was written for '{dest}'")
         fsync_tree(result)
@@ -363,4 +363,4 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
         except OSError as error:
             raise write_error(dest, error) from None
     finally:
-        remove_path(staging)
+        remove_path(pending)

@@ -73,7 +73,7 @@ def save_error(error: BaseException, path: Path) -> SaveError:
 
 
 def _describe(error: BaseException) -> str:
-    """``Type: message``; an ``OSError`` without its file name, which is inside the hidden staging directory."""
+    """``Type: message``; an ``OSError`` without its file name, which is inside the hidden pending directory."""
     if isinstance(error, OSError) and error.strerror:
         return f"{type(error).__name__}: {error.strerror}"
     return f"{type(error).__name__}: {error}"

@@ -5,7 +5,7 @@ groups; all V groups]``. Under tensor parallelism the rows are regrouped in the 
 ...]`` (:mod:`fabric_hsdp.tensor_parallel.fused_rows`), so an ordinary ``Shard(0)`` gives each rank its heads. The
 parameter keeps its name and global shape; only the order of its rows differs from the stored one. Checkpoints always
 hold the model's own order: :class:`FusedRows` maps rows between the two, :func:`fused_rows_of` finds the parameters
-that need it, and inside :func:`module_layout` state dicts hold the regrouped rows as they are, for the checkpoint
+that need it, and inside :func:`held_row_order` state dicts hold the regrouped rows as they are, for the checkpoint
 code to map shard by shard.
 """
 
@@ -93,7 +93,7 @@ _hooks_pass_through = [False]
 
 
 @contextmanager
-def module_layout() -> Iterator[None]:
+def held_row_order() -> Iterator[None]:
     """Within this context state dicts hold the regrouped rows as they are (this package's own checkpoint code maps
     them shard by shard, without the hooks' all-gather)."""
     previous = _hooks_pass_through[0]
@@ -104,6 +104,6 @@ def module_layout() -> Iterator[None]:
         _hooks_pass_through[0] = previous
 
 
-def in_module_layout() -> bool:
-    """Whether :func:`module_layout` is active (state-dict hooks then leave the rows as they are)."""
+def in_held_row_order() -> bool:
+    """Whether :func:`held_row_order` is active (state-dict hooks then leave the rows as they are)."""
     return _hooks_pass_through[0]

@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from fabric_hsdp.checkpoint.core import fileio, watchdog
 from fabric_hsdp.checkpoint.core.box import Box
-from fabric_hsdp.checkpoint.formats.torch_chunk import ChunkLayout, chunk_layout
+from fabric_hsdp.checkpoint.formats.torch_chunk import StoredTensor, stored_tensor
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.versions import checkpoint_offset, create_file_view, load_on_meta, stored_bytes
 
@@ -83,7 +83,7 @@ class OneCopyReader(FileSystemReader):
 
     def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
         fd = stream.fileno()
-        stored = _stored_layout(stream, file_name, item, self.storage_data[item.storage_index])
+        stored = _stored_tensor(stream, file_name, item, self.storage_data[item.storage_index])
         target = planner.resolve_tensor(item).detach()
         offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(stored.shape)
         itemsize = stored.dtype.itemsize
@@ -104,7 +104,7 @@ class OneCopyReader(FileSystemReader):
         planner.commit_tensor(item, target)
 
 
-def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: Any) -> ChunkLayout:
+def _stored_tensor(stream: io.BufferedReader, file_name: str, item: Any, info: Any) -> StoredTensor:
     """Where the chunk's bytes start and how its tensor views them: parsed directly in the plain form DCP writes
     (:mod:`~fabric_hsdp.checkpoint.formats.torch_chunk`), else by a meta-load of the chunk's archive. ``info`` is
     DCP's record of where the item lies (:func:`~fabric_hsdp.versions.dcp_storage_info`)."""
@@ -112,7 +112,7 @@ def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: A
     try:
         if info.offset + info.length > size:
             raise RuntimeError(f"the file has {size} bytes")
-        layout = chunk_layout(stream.fileno(), info.offset, info.length)
+        layout = stored_tensor(stream.fileno(), info.offset, info.length)
         if layout is not None:
             return layout
         view = create_file_view(stream, info.offset, info.length)
@@ -123,7 +123,7 @@ def _stored_layout(stream: io.BufferedReader, file_name: str, item: Any, info: A
             f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
         ) from None
     storage = stored.untyped_storage()
-    return ChunkLayout(
+    return StoredTensor(
         start=info.offset + checkpoint_offset(storage),
         storage_bytes=stored_bytes(stored),
         dtype=stored.dtype,

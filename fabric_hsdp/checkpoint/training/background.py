@@ -6,7 +6,7 @@ they never interleave with training's). The copy is made here, once per tensor: 
 DTensor twice (``deepcopy``, then into a fresh buffer) and moves a CUDA one to CPU before copying it again.
 
 DCP's coordinator writes ``.metadata`` only after every rank has written and synced its files; when that has
-happened, rank 0 commits the staging directory from the writing thread with the same atomic swap as a blocking save
+happened, rank 0 commits the pending directory from the writing thread with the same atomic swap as a blocking save
 (:func:`fabric_hsdp.checkpoint.core.commit.commit`). A failure is raised on every rank at the next point where all ranks
 meet: the next save or load, ``strategy.wait_for_checkpoint()`` or ``teardown()``. A script that just ends lets the
 write finish (Python joins DCP's writing thread before running ``atexit`` handlers); the strategy's exit handler then
@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.checkpoint.core.commit import StagedSave
+from fabric_hsdp.checkpoint.core.commit import PendingSave
 from fabric_hsdp.checkpoint.core.dcp_errors import save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
@@ -77,16 +77,16 @@ class BackgroundSaves:
             return True
         return False
 
-    def start(self, tensors: dict[str, Any], save: StagedSave) -> None:
+    def start(self, tensors: dict[str, Any], save: PendingSave) -> None:
         """Copy the chunks of ``tensors`` this rank writes into :attr:`stager`'s buffers, then write them into
-        ``save``'s staging directory in a thread and commit it after; it is the save in flight until :meth:`wait`.
+        ``save``'s pending directory in a thread and commit it after; it is the save in flight until :meth:`wait`.
         A collective (the staging plan, then the copy's agreement): call it on every rank, after :meth:`wait`."""
         path = save.path
         written = self.stager.plan(tensors, self.group)
         with fail_together(f"copying the shards of checkpoint '{path}' to CPU memory"):
             copies: Staged = self.stager.copy(tensors, written)
         watch = self._watchdog.start(f"saving checkpoint '{path}' in the background") if self._watchdog else None
-        self._pending = start(copies.state, save, self.group, ready=copies.ready, watch=watch)
+        self._pending = start_save(copies.state, save, self.group, ready=copies.ready, watch=watch)
 
     def close(self) -> None:
         self.group = None
@@ -96,7 +96,7 @@ class BackgroundSaves:
 class BackgroundSave:
     """One save in flight: DCP's upload future, and the commit rank 0 runs when it has finished on every rank."""
 
-    def __init__(self, future: Future, save: StagedSave, watch: Any = None) -> None:
+    def __init__(self, future: Future, save: PendingSave, watch: Any = None) -> None:
         self.path = save.path
         self._watch = watch  # the I/O watchdog's watch over this save's writes, stopped when it ends
         self._save = save
@@ -131,8 +131,10 @@ class BackgroundSave:
             self.wait(together=False)
 
 
-def start(copies: dict[str, Any], save: StagedSave, group: Any, ready: Any = None, watch: Any = None) -> BackgroundSave:
-    """Start writing ``copies`` (staged CPU copies) into ``save``'s staging directory in a thread; commit it after.
+def start_save(
+    copies: dict[str, Any], save: PendingSave, group: Any, ready: Any = None, watch: Any = None
+) -> BackgroundSave:
+    """Start writing ``copies`` (staged CPU copies) into ``save``'s pending directory in a thread; commit it after.
 
     ``ready``: called in the writing thread before the copies are read (the staging's CUDA event).
     """

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.commit import check_writable
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
-from fabric_hsdp.checkpoint.core.stored_rows import module_layout
+from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
 from fabric_hsdp.checkpoint.training.background import BackgroundSaves
 from fabric_hsdp.checkpoint.training.full_gather import save_full
@@ -44,7 +44,7 @@ class Checkpointer:
 
     Call :meth:`set_up` once the default process group exists, and :meth:`close` or :meth:`finish_at_exit` at the
     end. Every method that saves or loads is a collective: call it on every rank. Each runs in tensor parallelism's
-    ``module_layout()``: the checkpoint code maps the regrouped rows of fused parameters itself.
+    ``held_row_order()``: the checkpoint code maps the regrouped rows of fused parameters itself.
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class Checkpointer:
         Fabric's ``save(filter=)``."""
         path = self.agreed_path(path)
         self.wait()
-        with module_layout(), self._watchdog.watch(f"saving checkpoint '{path}'"):
+        with held_row_order(), self._watchdog.watch(f"saving checkpoint '{path}'"):
             if full or self.state_dict_type == "full" or path.suffix == ".safetensors":
                 save_full(path, state, filter)  # rank 0 writes; the others wait in its gathers
                 return
@@ -119,7 +119,7 @@ class Checkpointer:
                 " fabric.load(path, {'model': model, 'optimizer': optimizer}) or fabric.load_raw(path, model)."
             )
         path = self.agreed_path(path)
-        with module_layout():
+        with held_row_order():
             return self._load(path, state, strict=strict, safe=weights_only is not False)  # None: the safe loader
 
     def _load(self, path: Path, state: nn.Module | Optimizer | dict[str, Any], *, strict: bool, safe: bool) -> Any:
@@ -155,7 +155,7 @@ class Checkpointer:
     ) -> LoadResult:
         """Fill ``module``'s shards from a consolidated checkpoint (see ``HybridFSDPStrategy.load_raw``)."""
         self.wait()
-        with module_layout(), self._watchdog.watch(f"loading '{path}'"):
+        with held_row_order(), self._watchdog.watch(f"loading '{path}'"):
             result = load_into_model(
                 path,
                 getattr(module, "module", module),

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fabric_hsdp.adapters.names import load_names
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.boxes import global_box, pieces_of
@@ -35,6 +34,7 @@ from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.progress import Progress
 from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, fused_rows_of
 from fabric_hsdp.checkpoint.core.tree import read_lazy
+from fabric_hsdp.checkpoint.core.wrapped_names import load_names
 from fabric_hsdp.checkpoint.formats.conversions import convert_for_model
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo

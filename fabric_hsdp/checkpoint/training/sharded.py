@@ -46,7 +46,7 @@ def save_sharded(
     background_saves: background.BackgroundSaves | None = None,
     filter: Filter | None = None,
 ) -> None:
-    """Every rank writes its shards into a staging sibling; rank 0 commits it to ``path`` once all have finished.
+    """Every rank writes its shards into a pending sibling; rank 0 commits it to ``path`` once all have finished.
 
     With ``background_saves`` the chunks this rank writes are copied to CPU memory (its stager's kept buffers) and
     written from a thread: that save is in flight in ``background_saves`` (committed when done; its ``wait()``
@@ -54,12 +54,12 @@ def save_sharded(
     name}`` for an adapter-only checkpoint.
     """
     checkpoint = CheckpointState(state)
-    save = commit.StagedSave(path, broadcast, dist.get_rank())
+    save = commit.PendingSave(path, broadcast, dist.get_rank())
     with fail_together(f"preparing to save checkpoint '{path}'"):
         save.create(lambda directory: save_meta(checkpoint.plain_values(filter), directory / META_FILE))
     tensors, _ = checkpoint.stored(checkpoint.tensors(filter))
     try:
-        with fail_together(f"checking that every rank sees the staging directory of checkpoint '{path}'"):
+        with fail_together(f"checking that every rank sees the pending directory of checkpoint '{path}'"):
             save.check_shared(META_FILE)
         if background_saves is not None:
             background_saves.start(tensors, save)

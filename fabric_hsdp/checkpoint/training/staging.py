@@ -90,13 +90,13 @@ class Stager:
         left_out = [fqn for fqn, value in flat.items() if fqn not in written and isinstance(value, _TENSORS)]
         if any(not isinstance(key, str) for fqn in left_out for key in mappings[fqn]):
             return self._stage_all(state)  # a tensor in a list: leaving it out would shift the list's indices
-        layout = _Layout()
+        layout = _Shapes()
         _walk(flat, written, layout)  # the chunks' shapes first: one block of their exact size
         copies = _Copies(self, self._views(layout))
         staged = _walk(flat, written, copies)
         return Staged(unflatten_state_dict(staged, mappings), copies.finish(), copies.nbytes)
 
-    def _views(self, layout: _Layout) -> dict[tuple, torch.Tensor]:
+    def _views(self, layout: _Shapes) -> dict[tuple, torch.Tensor]:
         """Each chunk's buffer: a view of the block, the previous save's block when the chunks are the same."""
         if self._block is None or layout.chunks != self._layout or layout.pinned != self._block_registered:
             self._release_block()
@@ -199,7 +199,7 @@ class _Chunks:
         raise NotImplementedError
 
 
-class _Layout(_Chunks):
+class _Shapes(_Chunks):
     """The first walk: each chunk's shape and dtype (``chunks``), and whether its sources live on CUDA (``pinned``)."""
 
     def __init__(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fabric_hsdp.launchers import Launcher
-from fabric_hsdp.rank_layout import Placement, check_rank_layout
+from fabric_hsdp.rank_placement import Placement, check_rank_placement
 from tests.helpers.launch import launch
 
 
@@ -14,11 +14,11 @@ def _placements(hosts: list[str], node_ranks: list[int]) -> list[Placement]:
 
 
 def test_ranks_numbered_node_by_node_pass():
-    check_rank_layout(_placements(["a", "a", "b", "b"], [0, 0, 1, 1]), ranks_per_node=2)
-    check_rank_layout(_placements(["h"] * 4, [0, 0, 1, 1]), ranks_per_node=2)  # simulated nodes on one host
-    check_rank_layout(_placements(["a", "a", "a", "a"], [0, 0, 0, 0]), ranks_per_node=4)
-    check_rank_layout(_placements(["a"], [0]), ranks_per_node=1)
-    check_rank_layout(_placements(["a", "a", "b", "b"], [0, 0, 0, 0]), ranks_per_node=2)  # the hosts decide
+    check_rank_placement(_placements(["a", "a", "b", "b"], [0, 0, 1, 1]), ranks_per_node=2)
+    check_rank_placement(_placements(["h"] * 4, [0, 0, 1, 1]), ranks_per_node=2)  # simulated nodes on one host
+    check_rank_placement(_placements(["a", "a", "a", "a"], [0, 0, 0, 0]), ranks_per_node=4)
+    check_rank_placement(_placements(["a"], [0]), ranks_per_node=1)
+    check_rank_placement(_placements(["a", "a", "b", "b"], [0, 0, 0, 0]), ranks_per_node=2)  # the hosts decide
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_ranks_numbered_node_by_node_pass():
 def test_ranks_numbered_across_nodes_are_refused_with_the_launch_fix(hosts, node_ranks, ranks_per_node):
     placements = _placements(hosts, node_ranks)
     with pytest.raises(ValueError, match=r"numbered the global ranks across nodes") as error:
-        check_rank_layout(placements, ranks_per_node, Launcher("srun"))
+        check_rank_placement(placements, ranks_per_node, Launcher("srun"))
     assert f"ranks 0..{ranks_per_node - 1} on one node of their own" in str(error.value)
     assert "srun --distribution=block" in str(error.value)
 
@@ -41,7 +41,10 @@ def test_ranks_numbered_across_nodes_are_refused_with_the_launch_fix(hosts, node
 def test_cyclic_numbering_fails_every_rank_at_setup():
     # each rank's own traceback (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
     result = launch(
-        "tests.scenarios.rank_layout:torchrun_numbering", {"cyclic": True}, timeout=240, env={"FABRIC_HSDP_DEBUG": "1"}
+        "tests.scenarios.rank_placement:torchrun_numbering",
+        {"cyclic": True},
+        timeout=240,
+        env={"FABRIC_HSDP_DEBUG": "1"},
     )
     assert result.returncodes == [1, 1, 1, 1], result.returncodes
     for rank in result.ranks:

@@ -51,7 +51,7 @@ def gather_placements(global_rank: int, node_rank: int, local_rank: int) -> list
     return sorted(placements, key=lambda placement: placement.global_rank)  # type: ignore[arg-type, union-attr]
 
 
-def check_rank_layout(placements: list[Placement], ranks_per_node: int, launcher: Launcher | None = None) -> None:
+def check_rank_placement(placements: list[Placement], ranks_per_node: int, launcher: Launcher | None = None) -> None:
     """Raise unless each block of ``ranks_per_node`` consecutive global ranks runs on one node, a node per block.
 
     Raises:
