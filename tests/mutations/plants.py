@@ -868,6 +868,20 @@ PLANTS: dict[str, Plant] = {
         (("    if len(set(load_name.values())) != len(load_name):\n", "    if False:\n"),),
         ("tests/test_lora.py::test_two_tensors_with_one_base_name_are_refused_as_ambiguous",),
     ),
+    "33n": Plant(
+        "fabric-hsdp plan --lora_r counts the base frozen and the adapters as peft and litgpt make them (#33)",
+        "the base left trainable: gradients and AdamW state planned for the whole 70B, not the adapters only",
+        (
+            (
+                "    parameters = [replace(p, trainable=False) for p in model.parameters]\n",
+                "    parameters = list(model.parameters)\n",
+            ),
+        ),
+        (
+            "tests/planning/test_lora_plan.py::test_adapters_of_a_transformers_config_are_peft_s_own",
+            "tests/planning/test_lora_plan.py::test_the_lora_plan_holds_what_the_strategy_measures_per_rank",
+        ),
+    ),
     "34o": Plant(
         "a package error ends a launched job with one line on rank 0 (#34)",
         "no excepthook: every rank prints its own traceback of the package's ValueError",
