@@ -2,6 +2,9 @@
 litgpt make, and the plan's per-rank parameter, gradient and optimizer bytes are what the strategy holds."""
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +142,15 @@ def test_plan_verify_with_lora_r_dry_runs_the_lora_model(tmp_path, capsys):
     trainable, total = peft_model().get_nb_trainable_parameters()
     shards = recommended["shard_size"]  # every dim 0 of this model is even
     assert recommended["bytes_per_device"]["parameters"] == (4 * trainable + 2 * (total - trainable)) // shards
+
+
+def test_the_70b_lora_plan_in_the_docs_is_the_tools_output(capsys):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "loading.md").read_text()
+    blocks = re.findall(r"```\n\$ fabric-hsdp (plan [^\n]*)\n(.*?)\n```", text, re.S)
+    assert len(blocks) == 2 and "--lora_r 16" in blocks[1][0]
+    for command, shown in blocks:
+        main(shlex.split(command))
+        captured = capsys.readouterr()
+        printed = (captured.out + captured.err).splitlines()
+        for line in shown.splitlines():
+            assert line.startswith("[...") or line in printed, (command, line)
