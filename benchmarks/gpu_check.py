@@ -392,6 +392,35 @@ def check_transformers_init(ctx: Context) -> str:
     return f"embedding std {embedding.std().item():.4f}, q_proj std {q_proj.std().item():.4f} (0.02), padding row 0"
 
 
+def check_qlora(ctx: Context) -> str:
+    """A QLoRA model as a user builds it (transformers' BitsAndBytesConfig(load_in_4bit=True), peft's
+    prepare_model_for_kbit_training and LoRA): setup_module must refuse its 4-bit base with the reason and what works
+    (fabric_hsdp/adapters/quantized.py); the line shows what happens on this device (without bitsandbytes: SKIP)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    fabric = ctx.fabric(precision="bf16-mixed", sharded_modules={LlamaDecoderLayer})
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    base = ctx.workdir / f"base-rank{fabric.global_rank}"
+    LlamaForCausalLM(config).save_pretrained(base)
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = LlamaForCausalLM.from_pretrained(base, quantization_config=quantized, device_map={"": fabric.device})
+    model = get_peft_model(prepare_model_for_kbit_training(model), LoraConfig(r=4, target_modules=["q_proj"]))
+    kinds = sorted({type(p).__name__ for p in model.parameters()})
+    try:
+        fabric.setup_module(model)
+    except ValueError as error:
+        message = str(error)
+        assert "does not support quantized bases yet" in message and "precision='bf16-mixed'" in message, message
+        return f"refused at setup_module, as it must (parameter classes {kinds}): {message[:150]}..."
+    raise AssertionError(f"a 4-bit QLoRA base (parameter classes {kinds}) was accepted by setup_module")
+
+
 def check_float8(ctx: Context) -> str:
     """float8=True (torchao rowwise) under bf16-mixed: the eligible linears converted, the loss finite and falling;
     on a GPU below SM 8.9 the strategy must refuse at construction, which is the pass (without torchao: SKIP)."""
@@ -438,6 +467,7 @@ CHECKS = [
     Check("shard_size_auto", check_shard_size_auto, cuda_only=True),
     Check("transformers_init", check_transformers_init, requires=("transformers",)),
     Check("float8", check_float8, requires=("torchao",), cuda_only=True),
+    Check("qlora", check_qlora, requires=("bitsandbytes", "peft", "transformers")),
 ]
 
 

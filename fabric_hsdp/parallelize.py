@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fabric_hsdp.adapters.init import refuse_unsupported_adapters
+from fabric_hsdp.adapters.quantized import refuse_quantized_base
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.float8 import Float8Spec, apply_float8, validate_float8
 from fabric_hsdp.fsdp import (
@@ -141,6 +142,7 @@ def set_up_module(
                 f"{type(module).__name__} was already sharded with fully_shard. Pass the plain model to"
                 " fabric.setup_module(model); HybridFSDPStrategy applies fully_shard itself."
             )
+        refuse_quantized_base(module, device)
         refuse_unsupported_adapters(module, tensor_parallel=mesh.tensor is not None)
         sharding = FSDPSettings(
             sharded_modules=levers.sharded_modules,

@@ -46,6 +46,7 @@ def test_checks_that_need_a_package_name_it():
         sys.path.remove(str(REPO_ROOT / "benchmarks"))
     requires = {check.name: check.requires for check in gpu_check.CHECKS}
     assert requires["transformers_init"] == ("transformers",) and requires["float8"] == ("torchao",)
+    assert requires["qlora"][0] == "bitsandbytes"
 
 
 @pytest.mark.timeout(900)

@@ -6,7 +6,9 @@
 
 ``--model``: a litgpt config name (``Llama-3-70B``; litgpt's ``GPT``), a litgpt ``model_config.yaml``, or a
 transformers ``config.json`` (or its directory; built with ``AutoModelForCausalLM.from_config``). Weights start on
-the meta device (``empty_init=True``); ``--init_from`` fills them with ``fabric.load_raw``.
+the meta device (``empty_init=True``); ``--init_from`` fills them with ``fabric.load_raw``. ``--lora_r R``: LoRA
+adapters of rank R on every linear layer of the blocks, the base frozen, as ``examples/finetune.py --lora_r`` builds
+them (litgpt's ``lora.GPT``; peft's ``get_peft_model`` with ``target_modules="all-linear"``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from typing import Any
 
 import torch
 
+# litgpt's lora.Config fields for adapters on every linear layer of the blocks (examples/finetune.py's lora_settings)
+_LITGPT_LORA = {"lora_query": True, "lora_key": True, "lora_value": True, "lora_projection": True, "lora_mlp": True}
 
-def build(model: str) -> tuple[torch.nn.Module, type, int]:
-    """The model (call inside ``fabric.init_module``), its block class and its vocabulary size.
+
+def build(model: str, lora_r: int = 0) -> tuple[torch.nn.Module, type, int]:
+    """The model (call inside ``fabric.init_module``), its block class and its vocabulary size; with ``lora_r``, LoRA
+    adapters of that rank on the blocks' linear layers and the rest frozen.
 
     Raises:
         ValueError: ``model`` names no config this script can build (a checkpoint holds shapes, not a class).
@@ -32,18 +38,25 @@ def build(model: str) -> tuple[torch.nn.Module, type, int]:
 
         config = AutoConfig.from_pretrained(str(path))
         module = AutoModelForCausalLM.from_config(config)
+        if lora_r:
+            from peft import LoraConfig, get_peft_model
+
+            module = get_peft_model(module, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear"))
         layers = next(child for name, child in module.named_modules() if name.endswith("layers"))
         return module, type(layers[0]), config.vocab_size
-    from litgpt import GPT, Config
-    from litgpt.model import Block
-
+    if lora_r:
+        from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+    else:
+        from litgpt import GPT, Config
+        from litgpt.model import Block
+    settings = {"lora_r": lora_r, "lora_alpha": 2 * lora_r, **_LITGPT_LORA} if lora_r else {}
     if path.is_dir() and (path / "model_config.yaml").is_file():
         path = path / "model_config.yaml"
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        config = Config.from_file(path)
+        config = Config.from_file(path, **settings)
     elif not path.exists():
         try:
-            config = Config.from_name(model)
+            config = Config.from_name(model, **settings)
         except ValueError:
             raise ValueError(f"--model {model!r}: not a litgpt config name, model_config.yaml or config.json") from None
     else:
@@ -51,7 +64,10 @@ def build(model: str) -> tuple[torch.nn.Module, type, int]:
             f"--model {model!r}: a dry run builds the model from its config (a litgpt name, model_config.yaml or"
             " config.json); a checkpoint holds shapes but no model class"
         )
-    return GPT(config), Block, config.padded_vocab_size
+    module = GPT(config)
+    if lora_r:
+        mark_only_lora_as_trainable(module)
+    return module, Block, config.padded_vocab_size
 
 
 def parse_args(argv: list[str] | None = None) -> Any:
@@ -64,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--seq_len", type=int, default=16)
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    parser.add_argument("--lora_r", type=int, default=0)
     parser.add_argument("--init_from", default=None)
     parser.add_argument("--save", default=None)
     parser.add_argument("--num_nodes", type=int, default=1)
@@ -81,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shard_size = int(args.shard_size) if args.shard_size.isdigit() else args.shard_size
     with torch.device("meta"):
-        _, block, vocab = build(args.model)  # the block class and vocabulary only: nothing is allocated
+        _, block, vocab = build(args.model, args.lora_r)  # the block class and vocabulary only: nothing is allocated
     strategy = HybridFSDPStrategy(
         sharded_modules={block},
         shard_size=shard_size,
@@ -97,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model, _, _ = build(args.model)
+        model, _, _ = build(args.model, args.lora_r)
     model = fabric.setup_module(model)
     parameters = model.parameters()
     if args.optimizer == "adamw":

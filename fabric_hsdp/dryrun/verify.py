@@ -13,9 +13,9 @@ TRAIN_SCRIPT = Path(__file__).with_name("train_script.py")
 def verify_plan(args: Any, plan: Any) -> tuple[str, Any]:
     """Dry-run rank 0 (it holds the largest shards) of the plan's recommended layout for one optimizer step.
 
-    ``args`` are ``fabric-hsdp plan``'s; the model is built from ``args.model``'s config on the meta device and runs
-    the recommended row's micro-batch x ``args.seq_len`` tokens, with its checkpointing. Returns the text to print
-    and the dry run's report.
+    ``args`` are ``fabric-hsdp plan``'s; the model is built from ``args.model``'s config on the meta device (with
+    ``--lora_r``: its LoRA adapters, the base frozen) and runs the recommended row's micro-batch x ``args.seq_len``
+    tokens, with its checkpointing. Returns the text to print and the dry run's report.
 
     Raises:
         ValueError: Nothing to verify (no layout fits), or options the dry run cannot reproduce.
@@ -27,6 +27,11 @@ def verify_plan(args: Any, plan: Any) -> tuple[str, Any]:
         raise ValueError("--verify: no layout fits, so there is none to dry-run")
     if args.cpu_offload or getattr(args, "sequence_parallel", False) or getattr(args, "loss_parallel", False):
         raise ValueError("--verify dry-runs plain layouts: drop --cpu_offload, --sequence_parallel, --loss_parallel")
+    if getattr(args, "lora_targets", None) is not None:
+        raise ValueError(
+            "--verify dry-runs LoRA on every linear layer of the blocks (as examples/finetune.py --lora_r builds it):"
+            " drop --lora_targets"
+        )
     layout, micro_batch = row.layout, row.training.workload.micro_batch_size
     script_args = ["--model", str(args.model), "--shard_size", str(layout.shard_size)]
     script_args += ["--tp", str(layout.tensor_parallel_size), "--precision", plan.training.precision]
@@ -35,6 +40,8 @@ def verify_plan(args: Any, plan: Any) -> tuple[str, Any]:
     script_args += ["--devices", str(args.devices_per_node), "--steps", "1"]
     if row.recomputes:
         script_args.append("--activation_checkpointing")
+    if getattr(args, "lora_r", None):
+        script_args += ["--lora_r", str(args.lora_r)]
     report = dry_run(
         TRAIN_SCRIPT, script_args, num_nodes=args.num_nodes, devices_per_node=args.devices_per_node, rank=0
     )

@@ -18,6 +18,9 @@ MODEL: a transformers config.json or its directory, a litgpt model_config.yaml o
 or any checkpoint fabric-hsdp can open (shapes from its header; no tensor data is read). One row per layout the
 topology accepts: per-device bytes of parameters, gradients, optimizer state, gathered units and activations (an
 estimate), the total against the device memory, and the bytes per step between nodes and within a node.
+
+With --lora_r R the base is frozen (no gradients, no optimizer state, held in the compute dtype) and LoRA adapters of
+rank R train on every linear layer of the blocks (or --lora_targets), as examples/finetune.py --lora_r does.
 """
 
 
@@ -62,6 +65,15 @@ def plan_parser() -> Any:
     )
     parser.add_argument(
         "--compute_efficiency", type=float, default=0.4, help="fraction of the peak the model runs at (with bandwidths)"
+    )
+    parser.add_argument(
+        "--lora_r", type=int | None, default=None, help="LoRA rank: the base frozen, adapters on the linear layers"
+    )
+    parser.add_argument(
+        "--lora_targets",
+        type=list[str] | None,
+        default=None,
+        help="with --lora_r: module names as peft's target_modules (default: every linear layer of the blocks)",
     )
     parser.add_argument("--cpu_offload", type=bool, default=False, help="sharded state in CPU memory")
     parser.add_argument(
@@ -115,6 +127,12 @@ def run_plan(args: Any) -> None:
     )
     sizes = None if args.tensor_parallel_size is None else [args.tensor_parallel_size]
     model = load_model_shape(args.model)
+    if args.lora_r is not None:
+        from fabric_hsdp.planning.lora import with_lora
+
+        model = with_lora(model, args.lora_r, args.lora_targets)
+    elif args.lora_targets is not None:
+        raise ValueError("--lora_targets adapts the layers of a LoRA plan: pass --lora_r R with it.")
     plan = make_plan(model, cluster, training, args.safety_margin, sizes, args.global_batch_size)
     error = no_fit_error(plan, args.tensor_parallel_size) if plan.recommended is None else None
     verify = args.verify and error is None  # the dry run's own module builds and runs it (fabric_hsdp/dryrun/verify.py)

@@ -110,6 +110,7 @@ class ModelShape:
     tensor_parallel_heads: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
     tensor_parallel_source: str = "guessed from parameter names"
     active_parameters: int | None = field(default=None, compare=False)  # per token, for mixture-of-experts models
+    adapters: str | None = None  # LoRA adapters added by the planner (planning/lora.py), e.g. "LoRA r=16 on ..."
     # what the planner derives from the shapes, per layout (many layouts share them; layers repeat)
     cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
@@ -130,6 +131,11 @@ class ModelShape:
         """Why the model cannot be split ``tensor_parallel_size`` ways (None if it can)."""
         if tensor_parallel_size == 1:
             return None
+        if self.adapters:  # as the strategy refuses them (adapters/init.py)
+            return (
+                f"tensor_parallel_size({tensor_parallel_size}): HybridFSDPStrategy does not support LoRA models under"
+                f" tensor parallelism yet ({self.adapters}); FSDP/HSDP shards the base and the adapters"
+            )
         if self.dims.num_experts:  # the strategy refuses "auto"; how a plan of your own splits experts is unknown
             return (
                 f"tensor_parallel_size({tensor_parallel_size}): tensor_parallel_plan='auto' has no plan for"

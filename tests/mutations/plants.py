@@ -886,6 +886,26 @@ PLANTS: dict[str, Plant] = {
         (("    if len(set(load_name.values())) != len(load_name):\n", "    if False:\n"),),
         ("tests/test_lora.py::test_two_tensors_with_one_base_name_are_refused_as_ambiguous",),
     ),
+    "33n": Plant(
+        "fabric-hsdp plan --lora_r counts the base frozen and the adapters as peft and litgpt make them (#33)",
+        "the base left trainable: gradients and AdamW state planned for the whole 70B, not the adapters only",
+        (
+            (
+                "    parameters = [replace(p, trainable=False) for p in model.parameters]\n",
+                "    parameters = list(model.parameters)\n",
+            ),
+        ),
+        (
+            "tests/planning/test_lora_plan.py::test_adapters_of_a_transformers_config_are_peft_s_own",
+            "tests/planning/test_lora_plan.py::test_the_lora_plan_holds_what_the_strategy_measures_per_rank",
+        ),
+    ),
+    "33o": Plant(
+        "a QLoRA base (bitsandbytes 4-bit) is refused at setup_module with the reason and what works (#33)",
+        "no check: FSDP2 shards the packed 4-bit weights like any parameter, cast as numbers under bf16-mixed",
+        (("        refuse_quantized_base(module, device)\n", ""),),
+        ("tests/test_qlora.py::test_a_4bit_base_is_refused_on_cpu_on_every_rank_with_the_reason_and_what_works",),
+    ),
     "34o": Plant(
         "a package error ends a launched job with one line on rank 0 (#34)",
         "no excepthook: every rank prints its own traceback of the package's ValueError",
