@@ -492,6 +492,20 @@ PLANTS: dict[str, Plant] = {
             "test_the_writing_thread_binds_the_ranks_device_before_it_waits_for_the_copies",
         ),
     ),
+    "33p": Plant(
+        "a LoRA fine-tune resumes its adapter-only checkpoint: the model check compares the adapters (#33, #34)",
+        "the whole model's tensors are compared with the adapter-only checkpoint: 'holds another model', every resume",
+        (
+            (
+                "if name in adapters} if lora_r else shapes\n",
+                "if name in adapters} if False else shapes\n",
+            ),
+        ),
+        (
+            "tests/test_lora.py::"
+            "test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and_exports[litgpt]",
+        ),
+    ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",
         "no key check before DCP's load: torch's bare 'Missing key in checkpoint state_dict'",
@@ -933,8 +947,8 @@ PLANTS: dict[str, Plant] = {
         "no model check before the resume: DCP's key check names tensors, not the two models",
         (
             (
-                "        note = check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=",
-                "        note = None and check_same_model(checkpoint, checkpoint_dir, shapes, tied, chosen=",
+                "        note = check_same_model(checkpoint, checkpoint_dir, saved, tied, chosen=",
+                "        note = None and check_same_model(checkpoint, checkpoint_dir, saved, tied, chosen=",
             ),
         ),
         ("tests/test_examples.py::test_finetune_refuses_to_resume_another_models_checkpoint_and_names_both",),
