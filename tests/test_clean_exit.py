@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch
-from tests.scenarios.common import build
+from tests.helpers.training import build
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 import pytest
 
 from tests.helpers.launch import launch
-from tests.scenarios.parity import BUGS
+from tests.helpers.parity import BUGS
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def within_noise(distance: dict[str, float], floor: dict[str, float]) -> dict[st
     ],
 )
 def test_training_matches_single_process(options):
-    values = launch("tests.scenarios.parity:parity", options).check().values
+    values = launch("tests.helpers.parity:parity", options).check().values
     assert [v["sampler"] for v in values] == [{"num_replicas": 4, "rank": rank} for rank in range(4)]
     # every rank's distance: each rank gathers its own replica's parameters (full_tensor() of (Replicate, Shard)
     # gathers over "shard" only), so ranks 2 and 3 judge replica 1

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers.launch import launch
-from tests.scenarios.common import build, hf_config, litgpt_config
+from tests.helpers.training import build, hf_config, litgpt_config
 
 pytestmark = pytest.mark.slow
 

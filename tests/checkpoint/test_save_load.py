@@ -309,8 +309,7 @@ def test_save_path_must_be_given_state_with_a_model(tmp_path):
 
 def load_into_another_model(num_nodes: int, devices: int, out: str) -> dict:
     """Resume a LLaMA checkpoint into litgpt's GPT (another model): the error, as the user sees it."""
-    from tests.scenarios.checkpoints import setup_training
-    from tests.scenarios.common import layer_class, make_fabric
+    from tests.helpers.training import layer_class, make_fabric, setup_training
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("litgpt")})
     model, optimizer, _ = setup_training(fabric, kind="litgpt")

@@ -47,8 +47,7 @@ def staged_sources(num_nodes: int, devices: int) -> dict:
     from fabric_hsdp.checkpoint.core.tree import tree_leaves
     from fabric_hsdp.checkpoint.training import staging
     from fabric_hsdp.checkpoint.training.state import CheckpointState
-    from tests.scenarios.checkpoints import setup_training, train_steps
-    from tests.scenarios.common import layer_class, make_fabric
+    from tests.helpers.training import layer_class, make_fabric, setup_training, train_steps
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("litgpt")}, tensor_parallel_size=2)
     model, optimizer, scheduler = setup_training(fabric, kind="litgpt", empty_init=False)

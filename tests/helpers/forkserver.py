@@ -42,7 +42,7 @@ PRELOAD = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "litgpt.model",
-    "tests.scenarios.common",
+    "tests.helpers.training",
 )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -14,65 +13,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.scenarios.common import ReadCounter, batch, build, full_state, layer_class, logits_of, make_fabric
-
-
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """The optimizer state of every parameter as full plain tensors in the model's own layout, keyed by name.
-
-    Rows that tensor parallelism regrouped (litgpt's qkv) are put back in the model's order.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    from fabric_hsdp.tensor_parallel import fused_rows_of
-
-    fused = fused_rows_of(model)
-    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    full = {}
-    for fqn, entries in state["state"].items():
-        full[fqn] = {}
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                value = fused[fqn].to_stored_order(value) if fqn in fused and value.ndim else value
-                value = value.detach().cpu().clone()
-            full[fqn][key] = value
-    return full
-
-
-def _expected_state(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
-    """Full model and optimizer state plus the scheduler's, gathered on every rank (the gathers are collectives)."""
-    return {
-        "model": full_state(model.module),
-        "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
-        "scheduler": scheduler.state_dict(),
-    }
-
-
-def setup_training(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int = 0) -> tuple[Any, Any, Any]:
-    """A model built (on meta with ``empty_init``) and set up, its AdamW and a StepLR scheduler."""
-    with fabric.init_module(empty_init=empty_init):
-        model = build(kind, seed=seed)
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    return model, optimizer, scheduler
-
-
-def train_steps(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
-    """``steps`` AdamW steps, each data-parallel rank on its own rows (tensor-parallel peers on the same)."""
-    data = fabric.strategy.distributed_sampler_kwargs  # tensor-parallel peers share their rows
-    inputs, targets = batch(2 * data["num_replicas"], seed=7)
-    rows = slice(2 * data["rank"], 2 * data["rank"] + 2)
-    for _ in range(steps):
-        # a no-op unless loss_parallel=True split the logits; Lightning's own strategies (the interop runs) have none
-        loss_context = getattr(fabric.strategy, "loss_parallel", contextlib.nullcontext)
-        with loss_context():
-            logits = logits_of(model, inputs[rows])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
-            fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
+from tests.helpers.counters import ReadCounter
+from tests.helpers.training import (
+    build,
+    expected_state,
+    full_optimizer_state,
+    full_state,
+    layer_class,
+    make_fabric,
+    setup_training,
+    train_steps,
+)
 
 
 def save(
@@ -87,7 +38,7 @@ def save(
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, state_dict_type=state_dict_type)
     model, optimizer, scheduler = setup_training(fabric, empty_init=False)
     train_steps(fabric, model, optimizer, scheduler, steps=2)
-    expected = _expected_state(model, optimizer, scheduler)
+    expected = expected_state(model, optimizer, scheduler)
     path = Path(out) / name
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "hi"}
     fabric.save(path, {"model": model} if model_only else state)
@@ -159,7 +110,7 @@ def save_with_lightning(num_nodes: int, devices: int, out: str) -> dict:
     fabric.launch()
     model, optimizer, scheduler = setup_training(fabric, empty_init=False)
     train_steps(fabric, model, optimizer, scheduler, steps=2)
-    expected = _expected_state(model, optimizer, scheduler)
+    expected = expected_state(model, optimizer, scheduler)
     fabric.save(Path(out) / "ckpt", {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2})
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")
@@ -178,7 +129,7 @@ def save_in_background(num_nodes: int, devices: int, out: str) -> dict:
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")}, async_save=True)
     model, optimizer, scheduler = setup_training(fabric, empty_init=False)
     train_steps(fabric, model, optimizer, scheduler, steps=2)
-    expected = _expected_state(model, optimizer, scheduler)
+    expected = expected_state(model, optimizer, scheduler)
     if fabric.global_rank == 0:
         torch.save(expected, Path(out) / "expected.pt")
     write_data = filesystem.FileSystemWriter.write_data

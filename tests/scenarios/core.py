@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fabric_hsdp import HybridFSDPStrategy
-from tests.scenarios.common import batch, build, copy_full_into, hf_config, layer_class, logits_of, make_fabric
+from tests.helpers.training import batch, build, copy_full_into, hf_config, layer_class, logits_of, make_fabric
 
 
 def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str = "llama") -> dict[str, Any]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fabric_hsdp.parallelize
-from tests.scenarios.common import VOCAB, hf_config, make_fabric
+from tests.helpers.training import VOCAB, hf_config, make_fabric
 
 
 def seeding_on_offloaded_shards(num_nodes: int, devices: int) -> dict[str, Any]:

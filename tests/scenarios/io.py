@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.scenarios.checkpoints import setup_training
-from tests.scenarios.common import layer_class, make_fabric
+from tests.helpers.training import layer_class, make_fabric, setup_training
 
 
 def stalled_io(num_nodes: int, devices: int, out: str, stalled_rank: int, stall: str, io_timeout: float) -> dict:
@@ -93,7 +92,7 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
     from fabric_hsdp.checkpoint.training.staging import Stager
     from fabric_hsdp.checkpoint.training.state import CheckpointState
     from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
-    from tests.scenarios.checkpoints import _expected_state, train_steps
+    from tests.helpers.training import expected_state, train_steps
 
     fabric = make_fabric(
         num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
@@ -112,7 +111,7 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
     pointers = sorted(buffer.data_ptr() for buffer in stager._buffers.values())
     second = stager.stage(state(), group)
     reused = pointers == sorted(buffer.data_ptr() for buffer in stager._buffers.values())
-    expected = _expected_state(model, optimizer, scheduler)
+    expected = expected_state(model, optimizer, scheduler)
     train_steps(fabric, model, optimizer, scheduler, steps=1)  # after staging: must not reach the checkpoint
     path = Path(out) / f"staged-tp{tensor_parallel_size}"
     second.ready()
@@ -132,7 +131,8 @@ def raw_load_counting_reads(num_nodes: int, devices: int, out: str, split_replic
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from tests.scenarios.common import ReadCounter, build, full_state
+    from tests.helpers.counters import ReadCounter
+    from tests.helpers.training import build, full_state
 
     expected = build("llama", seed=3).state_dict()
     files = {"pth": Path(out) / "raw.pth", "safetensors": Path(out) / "raw.safetensors"}

@@ -14,24 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
-from tests.scenarios.parity import _parity
+from tests.helpers.counters import OpCounter
+from tests.helpers.parity import _parity
+from tests.helpers.training import batch, build, full_state, layer_class, logits_of, make_fabric
 
 TENSOR_PARALLEL = 2
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that run while it is active (by overload packet name, e.g. ``mm``, ``silu``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _strategy_kwargs(kind: str, levers: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.scenarios.common import SEQ, VOCAB, build, full_state, layer_class, logits_of, make_fabric
+from tests.helpers.training import SEQ, VOCAB, build, full_state, layer_class, logits_of, make_fabric
 
 TOKENS = torch.arange(2 * SEQ).remainder(VOCAB).view(2, SEQ)
 

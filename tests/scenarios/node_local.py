@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.scenarios.common import build, layer_class, make_fabric
+from tests.helpers.training import build, layer_class, make_fabric
 
 
 def save_to_node_local_path(num_nodes: int, devices: int, root: str) -> dict:

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from examples.tiny_llama import Llama, LlamaConfig, loss_fn
 from fabric_hsdp.planning import model_shape_of_module
-from tests.scenarios.common import make_fabric
+from tests.helpers.training import make_fabric
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 

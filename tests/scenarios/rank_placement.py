@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tests.scenarios.common import make_fabric
+from tests.helpers.training import make_fabric
 
 
 def torchrun_numbering(num_nodes: int, devices: int, cyclic: bool) -> dict:

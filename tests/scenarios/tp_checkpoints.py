@@ -12,8 +12,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.scenarios.checkpoints import full_optimizer_state, setup_training, train_steps
-from tests.scenarios.common import ReadCounter, build, full_state, logits_of, make_fabric
+from tests.helpers.counters import ReadCounter
+from tests.helpers.training import (
+    build,
+    full_optimizer_state,
+    full_state,
+    logits_of,
+    make_fabric,
+    setup_training,
+    train_steps,
+)
 
 KINDS = ("hf", "litgpt")
 TOKENS = torch.arange(2 * 16).remainder(256).view(2, 16)

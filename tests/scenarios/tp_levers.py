@@ -13,8 +13,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.scenarios.checkpoints import full_optimizer_state, setup_training, train_steps
-from tests.scenarios.common import batch, build, full_state, layer_class, litgpt_config, logits_of, make_fabric
+from tests.helpers.training import (
+    batch,
+    build,
+    full_optimizer_state,
+    full_state,
+    layer_class,
+    litgpt_config,
+    logits_of,
+    make_fabric,
+    setup_training,
+    train_steps,
+)
 
 LEVERS = {"sequence_parallel": True, "loss_parallel": True}
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.launch import launch
-from tests.scenarios.common import build, hf_config, litgpt_config
+from tests.helpers.training import build, hf_config, litgpt_config
 
 # the first test of each saved_* fixture also pays its 300 s launch; test_stored_layout_is_the_models_own's is 400 s
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]

@@ -29,7 +29,7 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
     }
     values = (
         launch(
-            "tests.scenarios.parity:parity",
+            "tests.helpers.parity:parity",
             dict(options, tensor_parallel_size=2),
             num_nodes=nodes,
             ranks_per_node=per_node,
@@ -173,7 +173,7 @@ def view_warnings(num_nodes: int, devices: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fabric_hsdp.tensor_parallel.view_warning import is_local_logits
-    from tests.scenarios.common import batch, make_fabric, tiny_llama
+    from tests.helpers.training import batch, make_fabric, tiny_llama
 
     fabric = make_fabric(num_nodes, devices, tensor_parallel_size=2)
     model = fabric.setup_module(tiny_llama())
