@@ -42,6 +42,7 @@ PRELOAD = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "litgpt.model",
+    "pytest",  # a test module holds the bodies its tests launch, and imports pytest
     "tests.helpers.training",
 )
 
