@@ -57,7 +57,8 @@ def rank_load(num_nodes: int, devices: int, path: str, shard_size: Any) -> dict[
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from tests.scenarios.common import ReadCounter, full_state, make_fabric
+    from tests.helpers.counters import ReadCounter
+    from tests.helpers.training import full_state, make_fabric
 
     fabric = make_fabric(num_nodes, devices, shard_size=shard_size)
     with fabric.init_module(empty_init=True):

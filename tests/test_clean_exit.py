@@ -17,11 +17,17 @@ with its process group alive and the exit handler not yet registered. That path 
 (the group must be gone before the interpreter's teardown), not by waiting for the abort.
 """
 
+from __future__ import annotations
+
+import os
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers.launch import launch
-from tests.scenarios.common import build
+from tests.helpers.training import batch, build, layer_class, make_fabric
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +47,7 @@ def test_twenty_consecutive_launches_exit_with_their_status(tmp_path):
         if failing:
             options["checkpoint"] = str(tmp_path / "broken.pth")
         scenario = "train_then_fail_to_load" if failing else "train_and_exit"
-        result = launch(f"tests.scenarios.core:{scenario}", options, timeout=120)
+        result = launch(f"tests.test_clean_exit:{scenario}", options, timeout=120)
         expected = [1, 1, 1, 1] if failing else [0, 0, 0, 0]
         aborted = [r.global_rank for r in result.ranks if any(text in r.stderr for text in ABORTS)]
         if result.timed_out or result.returncodes != expected or aborted:
@@ -63,9 +69,56 @@ def test_a_rank_that_fails_while_starting_destroys_its_process_group_before_the_
     teardown, a rank aborted once in CI ("terminate called without an active exception", SLURM's task state
     "Aborted", in the ``srun --distribution=cyclic`` test)."""
     result = launch(
-        "tests.scenarios.core:fail_while_starting", {"out": str(tmp_path)}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"}
+        "tests.test_clean_exit:fail_while_starting", {"out": str(tmp_path)}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"}
     )
     assert not result.timed_out and result.returncodes == [1, 1, 1, 1], [r.stderr[-800:] for r in result.ranks]
     assert all("numbered the global ranks across nodes (planted)" in r.stderr for r in result.ranks)
     alive_at_exit = sorted(file.read_text() for file in tmp_path.iterdir())
     assert alive_at_exit == ["False"] * 4, alive_at_exit  # the strategy's handler destroyed it first
+
+
+# Bodies: what each rank runs when a test above calls launch("<this module>:<body>").
+# Scripts that train a step and exit, fail to load, or fail while starting.
+
+
+def _train_a_step(num_nodes: int, devices: int, tensor_parallel_size: int) -> tuple[Any, Any, torch.Tensor]:
+    """Meta-init, set up and train the llama one step: a plain script's first step; the fabric, model and inputs."""
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
+    )
+    with fabric.init_module(empty_init=True):
+        model = build("llama")
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    inputs, targets = batch(2, seed=fabric.global_rank)
+    fabric.backward(torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
+    optimizer.step()
+    return fabric, model, inputs
+
+
+def train_and_exit(num_nodes: int, devices: int, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """A script that does nothing special: train a step and let the interpreter exit."""
+    fabric, model, inputs = _train_a_step(num_nodes, devices, tensor_parallel_size)
+    with torch.no_grad():
+        model(inputs)
+    return {"rank": fabric.global_rank}
+
+
+def train_then_fail_to_load(num_nodes: int, devices: int, checkpoint: str, tensor_parallel_size: int = 1) -> None:
+    """A script that trains a step, then loads a checkpoint that lacks a weight: every rank must exit 1, cleanly."""
+    fabric, model, _ = _train_a_step(num_nodes, devices, tensor_parallel_size)
+    fabric.load_raw(checkpoint, model)  # raises CheckpointError on every rank
+
+
+def fail_while_starting(num_nodes: int, devices: int, out: str) -> None:
+    """The rank-layout check fails once the process group exists (as under ``srun --distribution=cyclic``). An exit
+    handler registered before the strategy's, so run after it (``atexit`` is last in, first out), records whether the
+    process group was still alive then: the interpreter's own teardown of it can abort the rank."""
+    import atexit
+    from pathlib import Path
+    from unittest import mock
+
+    atexit.register(lambda: (Path(out) / str(os.getpid())).write_text(str(dist.is_initialized())))
+    planted = ValueError("the launcher numbered the global ranks across nodes (planted)")
+    with mock.patch("fabric_hsdp.distributed.check_rank_placement", side_effect=planted):
+        make_fabric(num_nodes, devices)

@@ -58,7 +58,7 @@ def wait_for_a_missing_node(num_nodes: int, devices: int, timeout: float) -> Non
     """One node of a 2-node job starts; the other never does: the ranks wait in init_process_group until `timeout`."""
     from datetime import timedelta
 
-    from tests.scenarios.common import make_fabric
+    from tests.helpers.training import make_fabric
 
     distributed.RENDEZVOUS_NOTICE = 2.0
     make_fabric(num_nodes + 1, devices, timeout=timedelta(seconds=timeout))

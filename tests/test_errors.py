@@ -64,7 +64,7 @@ def test_load_warnings_are_said_by_rank_zero_only(tmp_path, caplog, monkeypatch)
 
 def fail_in_set_up(num_nodes: int, devices: int, failure: str) -> None:
     """A user's script whose strategy is given a shard_size that divides nothing, or whose own code fails after."""
-    from tests.scenarios.common import make_fabric
+    from tests.helpers.training import make_fabric
 
     if failure == "bad shard_size":
         make_fabric(num_nodes, devices, shard_size=3)

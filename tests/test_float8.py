@@ -16,7 +16,7 @@ def float8_steps(num_nodes: int, devices: int, all_gather: bool) -> dict:
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from fabric_hsdp.float8 import Float8Spec
-    from tests.scenarios.common import batch, build, layer_class, make_fabric
+    from tests.helpers.training import batch, build, layer_class, make_fabric
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
     # float8 needs a capable GPU, so the strategy refuses it here: set the validated lever the way it would

@@ -45,7 +45,7 @@ def forward_without_gradients_first(num_nodes: int, devices: int, reshard_after_
     and two training steps; also a no-grad forward between steps."""
     from torch.distributed.tensor import DTensor
 
-    from tests.scenarios.common import batch, build, layer_class, make_fabric
+    from tests.helpers.training import batch, build, layer_class, make_fabric
 
     fabric = make_fabric(
         num_nodes, devices, sharded_modules={layer_class("llama")}, reshard_after_forward=reshard_after_forward
@@ -87,7 +87,7 @@ def units_and_gathered_bytes(num_nodes: int, devices: int, kind: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from tests.scenarios.common import batch, build, layer_class, logits_of, make_fabric
+    from tests.helpers.training import batch, build, layer_class, logits_of, make_fabric
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)})
     model = fabric.setup_module(build(kind))

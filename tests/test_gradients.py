@@ -15,7 +15,7 @@ def held_gradient_bytes(num_nodes: int, devices: int) -> dict:
     """One micro-batch's backward inside ``no_backward_sync``: the bytes of gradient FSDP2 holds on this rank."""
     from torch.distributed.fsdp import FSDPModule
 
-    from tests.scenarios.common import batch, build, layer_class, make_fabric
+    from tests.helpers.training import batch, build, layer_class, make_fabric
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
     model = fabric.setup_module(build("llama"))

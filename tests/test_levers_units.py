@@ -6,8 +6,8 @@ import torch
 from fabric_hsdp import HybridFSDPStrategy
 from fabric_hsdp.float8 import converts, float8_unsupported_reason
 from fabric_hsdp.parallelize import apply_activation_checkpointing
-from tests.scenarios.common import batch, build, layer_class, logits_of
-from tests.scenarios.levers import OpCounter
+from tests.helpers.counters import OpCounter
+from tests.helpers.training import batch, build, layer_class, logits_of
 
 
 @pytest.mark.parametrize(

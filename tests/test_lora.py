@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch
-from tests.scenarios.common import batch, litgpt_config, logits_of, tiny_hf_llama, tiny_litgpt
+from tests.helpers.training import batch, litgpt_config, logits_of, tiny_hf_llama, tiny_litgpt
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,7 @@ def train_lora(num_nodes: int, devices: int, kind: str, base: str, out: str, sta
     """Meta init, strict raw load of the base, 3 steps; an adapter-only save and a whole one (``adapter``, ``full``;
     ``.pth`` files with ``state_dict_type="full"``) and, sharded, the library's export."""
     from fabric_hsdp.adapters import export_litgpt_adapter, export_merged, export_peft_adapter
-    from tests.scenarios.common import full_state, make_fabric
+    from tests.helpers.training import full_state, make_fabric
 
     fabric = make_fabric(num_nodes, devices, state_dict_type=state_dict_type)
     with fabric.init_module(empty_init=True):
@@ -179,7 +179,7 @@ def train_lora(num_nodes: int, devices: int, kind: str, base: str, out: str, sta
 def resume_lora(num_nodes: int, devices: int, kind: str, base: str, out: str) -> dict:
     """On another node count, rank 0 reading consolidated files: the base raw-loaded, then each adapter-only
     checkpoint with ``strict=False``; and the whole model's full checkpoint (its wrapped names) strictly."""
-    from tests.scenarios.common import full_state, make_fabric
+    from tests.helpers.training import full_state, make_fabric
 
     fabric = make_fabric(num_nodes, devices, load_mode="rank0")  # the other reading path (2 x 2 read in slices)
     resumed = {}
@@ -413,7 +413,7 @@ def test_base_names_of_peft_and_litgpt_models():
 
 def frozen_base_in_bf16(num_nodes: int, devices: int, base: str) -> dict:
     """``bf16-mixed``: a peft model's frozen base held in bf16 shards, its adapters in fp32; 3 steps."""
-    from tests.scenarios.common import full_state, make_fabric
+    from tests.helpers.training import full_state, make_fabric
 
     fabric = make_fabric(num_nodes, devices, precision="bf16-mixed")
     with fabric.init_module(empty_init=True):
@@ -517,7 +517,7 @@ def test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and
     source, out_dir = _example_source(kind, tmp_path), tmp_path / "out"
     args = {"checkpoint_dir": str(source), "out_dir": str(out_dir), "max_steps": 4, "save_every": 2, "seq_len": 16}
     args.update(batch_size=2, learning_rate=1e-2, lora_r=4)
-    output = launch("tests.scenarios.finetune:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
+    output = launch("tests.helpers.training:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
     assert "LoRA r=4" in output
     stored = FileSystemReader(str(out_dir / "checkpoints" / "step-000002")).read_metadata().state_dict_metadata
     model_keys = [key for key in stored if key.startswith("model.")]
@@ -531,7 +531,7 @@ def test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and
 
     shutil.rmtree(out_dir / "checkpoints" / "step-000004")
     shutil.rmtree(out_dir / "export")
-    output = launch("tests.scenarios.finetune:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
+    output = launch("tests.helpers.training:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
     assert f"resumed from {out_dir / 'checkpoints' / 'step-000002'} (step 2)" in output
     resumed = torch.load(out_dir / "export_check.pt", weights_only=True)["validation"]["val_loss"]
     assert resumed == record["validation"]["val_loss"]  # the adapters and AdamW state came back exactly
@@ -556,7 +556,7 @@ def merge_that_fails(num_nodes: int, devices: int, out: str) -> dict:
     from litgpt.lora import LoRALinear
 
     from fabric_hsdp.adapters import export_merged
-    from tests.scenarios.common import make_fabric
+    from tests.helpers.training import make_fabric
 
     fabric = make_fabric(num_nodes, devices)
     with fabric.init_module(empty_init=True):

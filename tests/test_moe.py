@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import moe
 from tests.helpers.launch import launch
-from tests.scenarios.common import batch, full_state, make_fabric
-from tests.scenarios.parity import Trained, distance, sampler_rows
+from tests.helpers.parity import Trained, distance, sampler_rows
+from tests.helpers.training import batch, full_state, make_fabric
 from tests.test_strategy import within_noise
 
 pytestmark = pytest.mark.slow

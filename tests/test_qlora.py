@@ -30,7 +30,7 @@ def quantized_model() -> nn.Module:
 
 
 def set_up_quantized(num_nodes: int, devices: int) -> dict:
-    from tests.scenarios.common import make_fabric
+    from tests.helpers.training import make_fabric
 
     fabric = make_fabric(num_nodes, devices, precision="bf16-mixed")
     try:

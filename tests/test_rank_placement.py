@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fabric_hsdp.launchers import Launcher
 from fabric_hsdp.rank_placement import Placement, check_rank_placement
 from tests.helpers.launch import launch
+from tests.helpers.training import make_fabric
 
 
 def _placements(hosts: list[str], node_ranks: list[int]) -> list[Placement]:
@@ -41,7 +44,7 @@ def test_ranks_numbered_across_nodes_are_refused_with_the_launch_fix(hosts, node
 def test_cyclic_numbering_fails_every_rank_at_setup():
     # each rank's own traceback (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
     result = launch(
-        "tests.scenarios.rank_placement:torchrun_numbering",
+        "tests.test_rank_placement:torchrun_numbering",
         {"cyclic": True},
         timeout=240,
         env={"FABRIC_HSDP_DEBUG": "1"},
@@ -51,3 +54,18 @@ def test_cyclic_numbering_fails_every_rank_at_setup():
         assert "numbered the global ranks across nodes" in rank.stderr, rank.stderr[-2000:]
         assert "(node rank 0): ranks [0, 2]" in rank.stderr and "(node rank 1): ranks [1, 3]" in rank.stderr
         assert "torchrun numbers node by node" in rank.stderr
+
+
+# Bodies: what each rank runs when a test above calls launch("<this module>:<body>").
+# The rank layout check: a launcher that numbers ranks round-robin over the nodes.
+
+
+def torchrun_numbering(num_nodes: int, devices: int, cyclic: bool) -> dict:
+    """Start as torchrun would, with global ranks dealt round-robin over the nodes (``cyclic``) or node by node."""
+    node_rank, local_rank = int(os.environ["NODE_RANK"]), int(os.environ["LOCAL_RANK"])
+    rank = local_rank * num_nodes + node_rank if cyclic else node_rank * devices + local_rank
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="rank-layout", RANK=str(rank), GROUP_RANK=str(node_rank), LOCAL_WORLD_SIZE=str(devices)
+    )
+    fabric = make_fabric(num_nodes, devices, tensor_parallel_size=2)
+    return {"global_rank": fabric.global_rank, "coordinates": fabric.strategy.topology.coordinates(fabric.global_rank)}

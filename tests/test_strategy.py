@@ -1,9 +1,21 @@
 """HybridFSDPStrategy on 2 simulated nodes x 2 CPU ranks (gloo), in real processes."""
 
-import pytest
+from __future__ import annotations
 
+import os
+import time
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fabric_hsdp import HybridFSDPStrategy
 from tests.helpers.launch import launch
-from tests.scenarios.parity import BUGS
+from tests.helpers.parity import BUGS
+from tests.helpers.training import batch, build, copy_full_into, layer_class, logits_of, make_fabric
 
 pytestmark = pytest.mark.slow
 
@@ -12,7 +24,7 @@ LAYER_PARAMS = "layers.0.feed_forward.w1.weight"  # [96, 64] in the tiny model
 
 @pytest.mark.parametrize("kind", ["llama", "litgpt", "hf"])
 def test_hsdp_mesh_placements_and_meta_init(kind):
-    values = launch("tests.scenarios.core:placements", {"kind": kind}).check().values
+    values = launch("tests.test_strategy:placements", {"kind": kind}).check().values
     for rank, facts in enumerate(values):
         assert facts["mesh_shape"] == (2, 2)
         assert facts["mesh_dim_names"] == ("replicate", "shard")
@@ -32,7 +44,7 @@ def test_hsdp_mesh_placements_and_meta_init(kind):
 
 
 def test_init_gives_distinct_shards_and_identical_replicas_with_per_rank_seeds():
-    for facts in launch("tests.scenarios.core:init_consistency").check().values:
+    for facts in launch("tests.test_strategy:init_consistency").check().values:
         for case, values in facts.items():
             assert values["halves_differ"], (case, facts)
             assert values["replicas_differ"] == [] and values["checked"] == 22, (case, facts)  # 21 parameters, 1 buffer
@@ -42,7 +54,7 @@ def test_init_gives_distinct_shards_and_identical_replicas_with_per_rank_seeds()
 
 @pytest.mark.parametrize("shard_size", [4, "world"])
 def test_full_shard_over_world(shard_size):
-    values = launch("tests.scenarios.core:placements", {"shard_size": shard_size}).check().values
+    values = launch("tests.test_strategy:placements", {"shard_size": shard_size}).check().values
     for rank, facts in enumerate(values):
         assert facts["mesh_shape"] == (1, 4)
         assert facts["mesh_coordinate"] == (0, rank)
@@ -52,7 +64,7 @@ def test_full_shard_over_world(shard_size):
 def test_invalid_shard_size_fails_every_rank_with_the_arithmetic():
     # each rank's own traceback (tests/test_errors.py: without FABRIC_HSDP_DEBUG, rank 0 says it in one line)
     result = launch(
-        "tests.scenarios.core:bad_shard_size", {"shard_size": 3}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"}
+        "tests.test_strategy:bad_shard_size", {"shard_size": 3}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"}
     )
     assert result.returncodes == [1, 1, 1, 1]
     for rank in result.ranks:
@@ -92,7 +104,7 @@ def within_noise(distance: dict[str, float], floor: dict[str, float]) -> dict[st
     ],
 )
 def test_training_matches_single_process(options):
-    values = launch("tests.scenarios.parity:parity", options).check().values
+    values = launch("tests.helpers.parity:parity", options).check().values
     assert [v["sampler"] for v in values] == [{"num_replicas": 4, "rank": rank} for rank in range(4)]
     # every rank's distance: each rank gathers its own replica's parameters (full_tensor() of (Replicate, Shard)
     # gathers over "shard" only), so ranks 2 and 3 judge replica 1
@@ -110,7 +122,7 @@ def test_training_matches_single_process(options):
 
 @pytest.mark.parametrize(("precision", "half"), [("bf16-mixed", "torch.bfloat16"), ("16-mixed", "torch.float16")])
 def test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32(precision, half):
-    for facts in launch("tests.scenarios.core:mixed_precision", {"precision": precision}).check().values:
+    for facts in launch("tests.test_strategy:mixed_precision", {"precision": precision}).check().values:
         assert facts["precision"] == precision
         assert facts["compute_dtypes"] == [half, half]
         # bf16: FSDP2's policy is the mixed precision (no autocast on top, the logits as computed, no fp32 copy);
@@ -127,7 +139,7 @@ def test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32(p
 
 def test_one_rank_failing_setup_fails_all_ranks_fast():
     result = launch(
-        "tests.scenarios.core:fail_on_one_rank",
+        "tests.test_strategy:fail_on_one_rank",
         {"failing_rank": 3},
         timeout=120,
         fail_grace=90,
@@ -142,3 +154,172 @@ def test_one_rank_failing_setup_fails_all_ranks_fast():
     # collective would wait for the 30-minute collective timeout and be killed by the launcher after fail_grace (-9)
     for rank in result.ranks:
         assert "setup ended after" in rank.stdout, rank.stdout
+
+
+# Bodies: what each rank runs when a test above calls launch("<this module>:<body>").
+# The strategy core: topology, placements, meta init, mixed precision, a failure on one rank.
+
+
+def placements(num_nodes: int, devices: int, shard_size: Any = "node", kind: str = "llama") -> dict[str, Any]:
+    """Meta init, then setup: mesh, placements, local shard shapes, devices, buffers and logits vs a CPU build."""
+    fabric = make_fabric(num_nodes, devices, shard_size=shard_size, sharded_modules={layer_class(kind)})
+    reference = build(kind, seed=0)
+    with fabric.init_module(empty_init=True):
+        model = build(kind, seed=123)
+    on_meta_before = all(p.is_meta for p in model.parameters())
+    buffers_real_before = all(not b.is_meta for b in model.buffers())
+    model = fabric.setup_module(model)
+    shards_finite = all(torch.isfinite(p.to_local()).all().item() for p in model.parameters())
+    # initialised by reset_parameters() (or Hugging Face's _init_weights), not left as uninitialised memory
+    norms_are_ones = [
+        bool((sub.weight.to_local() == 1).all())
+        for sub in model.module.modules()
+        if "Norm" in type(sub).__name__ and getattr(sub, "weight", None) is not None
+    ]
+    copy_full_into(model, reference.state_dict())
+    mesh = fabric.strategy.device_mesh
+    params = dict(model.module.named_parameters())
+    reference_buffers = dict(reference.named_buffers())
+    facts = {
+        "mesh_shape": tuple(mesh.shape),
+        "mesh_dim_names": mesh.mesh_dim_names,
+        "coordinates": fabric.strategy.topology.coordinates(fabric.global_rank),
+        "mesh_coordinate": tuple(mesh.get_coordinate()),
+        "on_meta_before": on_meta_before,
+        "buffers_real_before": buffers_real_before,
+        "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
+        "placements": {name: tuple(str(x) for x in p.placements) for name, p in params.items()},
+        "local_shapes": {name: tuple(p.to_local().shape) for name, p in params.items()},
+        "global_shapes": {name: tuple(p.shape) for name, p in params.items()},
+        "devices": {str(p.to_local().device) for p in params.values()},
+        "shards_finite": shards_finite,
+        "norms_are_ones": norms_are_ones,
+        "buffers_equal": {
+            name: torch.equal(buffer.cpu(), reference_buffers[name]) for name, buffer in model.module.named_buffers()
+        },
+        "sampler": fabric.strategy.distributed_sampler_kwargs,
+    }
+    tokens, _ = batch(2)
+    with torch.no_grad():
+        facts["max_logit_diff"] = (logits_of(model, tokens) - logits_of(reference, tokens)).abs().max().item()
+    return facts
+
+
+def mixed_precision(num_nodes: int, devices: int, precision: str = "bf16-mixed") -> dict[str, Any]:
+    """bf16-mixed (or 16-mixed): half-precision parameters in compute, fp32 master shards, fp32 gradient reduction
+    (the dtypes FSDP2's reduce-scatter over ``shard`` and all-reduce over ``replicate`` are given), finite loss."""
+    plugins = []
+    if precision == "16-mixed":  # on CPU, Fabric turns "16-mixed" into bf16 unless given the plugin itself
+        from lightning.fabric.plugins.precision import MixedPrecision
+
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    strategy = HybridFSDPStrategy(sharded_modules={layer_class("llama")})
+    fabric = L.Fabric(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
+                      precision=None if plugins else precision, plugins=plugins)  # fmt: skip
+    fabric.launch()
+    model = fabric.setup_module(build("llama"))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    compute_dtypes = []
+    linear = model.module.layers[0].attention.wq
+    autocast = []
+
+    def record(module: torch.nn.Module, args: Any) -> None:
+        compute_dtypes.append(module.weight.dtype)
+        autocast.append(torch.is_autocast_enabled("cpu"))
+
+    handle = linear.register_forward_pre_hook(record)
+    reduced: dict[str, set[str]] = {"reduce_scatter": set(), "all_reduce": set()}
+    # the function FSDP2 calls to reduce-scatter: reduce_scatter_single from torch 2.13, reduce_scatter_tensor before
+    scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    reduce_scatter, all_reduce = getattr(dist, scatter_name), dist.all_reduce
+
+    def recording_reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:  # noqa: A002
+        reduced["reduce_scatter"].add(str(input.dtype))
+        return reduce_scatter(output=output, input=input, **kwargs)
+
+    def recording_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.numel() > 1:  # gradients, not a scalar (found-inf flags, losses)
+            reduced["all_reduce"].add(str(tensor.dtype))
+        return all_reduce(tensor, *args, **kwargs)
+
+    inputs, targets = batch(2, seed=fabric.global_rank)
+    losses, output_dtypes = [], set()
+    for _ in range(2):
+        logits = model(inputs)
+        output_dtypes.add(str(logits.dtype))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        setattr(dist, scatter_name, recording_reduce_scatter)
+        dist.all_reduce = recording_all_reduce
+        fabric.backward(loss)
+        setattr(dist, scatter_name, reduce_scatter)
+        dist.all_reduce = all_reduce
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    handle.remove()
+    fabric.strategy.teardown()
+    return {
+        "precision": fabric.strategy.precision_name,
+        "initialized_after_teardown": dist.is_initialized(),
+        "compute_dtypes": [str(d) for d in compute_dtypes],
+        "autocast": autocast,
+        "output_dtypes": sorted(output_dtypes),
+        "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "optimizer_state_dtypes": sorted(
+            {str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"}
+        ),
+        "reduced_dtypes": {what: sorted(dtypes) for what, dtypes in reduced.items()},
+        "losses": losses,
+    }
+
+
+def replicas_differ(module: torch.nn.Module, world_size: int) -> list[str]:
+    """Every parameter and buffer whose local shard differs between replicas (ranks r and r + 2 of a 2 x 2 mesh)."""
+    differ = []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().contiguous()
+        pieces = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(pieces, local)
+        half = world_size // 2
+        if not all(torch.equal(pieces[rank], pieces[rank + half]) for rank in range(half)):
+            differ.append(name)
+    return differ
+
+
+def init_consistency(num_nodes: int, devices: int) -> dict[str, Any]:
+    """Per-rank seeds (as in the user report): shard peers must differ, replicas must hold identical shards."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    fabric.seed_everything(100 + fabric.global_rank)
+    facts = {}
+    for case, empty_init in (("per-rank seeds, empty_init", True), ("per-rank seeds", False), ("one seed", True)):
+        # "one seed": identical generators on every rank, and shard peers must still differ
+        seed = 7 if case == "one seed" else fabric.global_rank
+        with fabric.init_module(empty_init=empty_init):
+            model = build("llama", seed=seed)
+        model = fabric.setup_module(model)
+        weight = model.module.layers[0].feed_forward.w1.weight  # [96, 64]: local shards of 48 rows
+        full = weight.full_tensor()
+        facts[case] = {
+            "halves_differ": not torch.equal(full[:48], full[48:]),
+            "replicas_differ": replicas_differ(model.module, fabric.world_size),
+            "checked": len(list(model.module.named_parameters())) + len(list(model.module.named_buffers())),
+            "std": full.std().item(),
+        }
+    return facts
+
+
+def fail_on_one_rank(num_nodes: int, devices: int, failing_rank: int) -> None:
+    """One rank passes a sharding policy that matches nothing; every rank must end with an error, fast."""
+    rank = int(os.environ["NODE_RANK"]) * devices + int(os.environ["LOCAL_RANK"])
+    policy = {torch.nn.GRU} if rank == failing_rank else {layer_class("llama")}
+    fabric = make_fabric(num_nodes, devices, sharded_modules=policy)
+    started = time.monotonic()
+    try:
+        fabric.setup_module(build("llama"))
+    finally:
+        print(f"setup ended after {time.monotonic() - started:.2f}s", flush=True)
+    dist.barrier()  # never reached when setup fails somewhere
+
+
+def bad_shard_size(num_nodes: int, devices: int, shard_size: int) -> None:
+    make_fabric(num_nodes, devices, shard_size=shard_size, sharded_modules={layer_class("llama")})

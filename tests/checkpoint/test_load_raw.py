@@ -1,13 +1,27 @@
 """Consolidated checkpoints load into a meta-initialised HSDP model on 2 simulated nodes x 2 ranks."""
 
+from __future__ import annotations
+
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from tests.helpers.launch import launch
-from tests.scenarios.common import build, hf_config, litgpt_config
+from tests.helpers.training import (
+    SEQ,
+    VOCAB,
+    build,
+    full_state,
+    hf_config,
+    layer_class,
+    litgpt_config,
+    logits_of,
+    make_fabric,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +83,7 @@ def test_every_format_and_mode_loads_exactly(llama_files):
     # the strategy's process_group_backend and timeout reach the default process group
     strategy = {"process_group_backend": "gloo", "timeout_seconds": 321}
     args = {"kind": "llama", "cases": cases, "strategy": strategy}
-    values = _cases(launch("tests.scenarios.loading:load_cases", args, timeout=300))
+    values = _cases(launch("tests.checkpoint.test_load_raw:load_cases", args, timeout=300))
     for rank_values in values:
         assert rank_values[0].pop("process_group") == {"backend": "gloo", "timeout_seconds": 321.0}
         for spec, outcome in zip(cases, rank_values):
@@ -92,7 +106,7 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
         # load_turn_size=1 (the default): local rank 1 of each node reads in the second of two turns
         {**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3, "mode": "turns"},
     ]
-    values = _cases(launch("tests.scenarios.loading:load_cases", {"kind": "llama", "cases": cases}))
+    values = _cases(launch("tests.checkpoint.test_load_raw:load_cases", {"kind": "llama", "cases": cases}))
     for rank, (broken, prefixed, unreadable, in_turns) in enumerate(values):
         if rank != 3:
             assert "(turn 2 of 2) failed on rank 3: FileNotFoundError" in in_turns["error"], in_turns
@@ -112,7 +126,7 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
     cases = [{**base, "file": str(root / "broken.pth"), "strict": False}]
     cases += [{**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3, "mode": "turns"}]
     args = {"kind": "llama", "cases": cases, "strategy": {"load_turn_size": 2}}
-    for rank, (outcome, in_turns) in enumerate(_cases(launch("tests.scenarios.loading:load_cases", args))):
+    for rank, (outcome, in_turns) in enumerate(_cases(launch("tests.checkpoint.test_load_raw:load_cases", args))):
         if rank != 3:
             assert "(turn 1 of 1) failed on rank 3: FileNotFoundError" in in_turns["error"], in_turns
         assert outcome["missing"] == ["layers.1.feed_forward.w1.weight"]
@@ -123,7 +137,7 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
 def test_fabric_load_accepts_a_raw_state_dict_and_a_converted_dcp(llama_files):
     for name in ("lit-llama.pth", "converted_dcp"):
         args = {"file": str(llama_files / name), "reference": str(llama_files / "lit-llama.pth")}
-        for facts in launch("tests.scenarios.loading:fabric_load_raw_state_dict", args).check().values:
+        for facts in launch("tests.checkpoint.test_load_raw:fabric_load_raw_state_dict", args).check().values:
             assert facts["remainder"] == {}
             assert facts["max_logit_diff"] == 0.0 and facts["weights_differ"] == []
             assert facts["fabric_load_raw_returned"] is None
@@ -143,7 +157,7 @@ def test_transformers_save_pretrained_directories(tmp_path):
         {"file": str(tmp_path / name), "reference": str(tmp_path / "reference.pth"), "mode": mode}
         for name, mode in [("sharded", None), ("single", "turns"), ("bin", "rank0")]
     ]
-    for rank_values in _cases(launch("tests.scenarios.loading:load_cases", {"kind": "hf", "cases": cases})):
+    for rank_values in _cases(launch("tests.checkpoint.test_load_raw:load_cases", {"kind": "hf", "cases": cases})):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
@@ -179,8 +193,117 @@ def test_litgpt_converter_output(tmp_path):
     lit_file = tmp_path / config.name / "lit_model.pth"
     cases = [{"file": str(lit_file), "reference": str(lit_file)}, {"file": str(lit_file), "reference": str(lit_file)}]
     cases[1]["mode"] = "rank0"
-    for rank_values in _cases(launch("tests.scenarios.loading:load_cases", {"kind": "litgpt", "cases": cases})):
+    for rank_values in _cases(launch("tests.checkpoint.test_load_raw:load_cases", {"kind": "litgpt", "cases": cases})):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
             assert outcome["weights_differ"] == [], outcome
+
+
+# Bodies: what each rank runs when a test above calls launch("<this module>:<body>").
+# Loading consolidated checkpoints (raw, safetensors, HF, DCP) into a meta-initialised HSDP model.
+
+
+TOKENS = torch.arange(2 * SEQ).remainder(VOCAB).view(2, SEQ)
+
+
+def reference_logits(kind: str, reference: str, dtype: str = "float32") -> torch.Tensor:
+    model = build(kind, seed=0)
+    model.load_state_dict(torch.load(reference, weights_only=True))
+    model = model.to(getattr(torch, dtype))
+    with torch.no_grad():
+        return logits_of(model, TOKENS).float()
+
+
+def weights_differing(model: torch.nn.Module, reference: str, dtype: str = "float32") -> list[str]:
+    """The names whose full tensor (this rank's replica, gathered over its shard group) is not exactly the
+    reference file's in ``dtype``: every loaded weight, every row, not only what some tokens' logits reach."""
+    expected = torch.load(reference, weights_only=True)
+    actual = full_state(model)
+    return sorted(
+        name
+        for name, tensor in actual.items()
+        if name not in expected or not torch.equal(tensor, expected[name].to(getattr(torch, dtype)))
+    )
+
+
+def load_cases(
+    num_nodes: int, devices: int, kind: str, cases: list[dict[str, Any]], strategy: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """For each case: meta-init the model, set it up, load the file raw, compare every weight exactly with the
+    reference file and the logits with a normal CPU build.
+
+    ``strategy``: more strategy arguments (``timeout_seconds`` becomes ``timeout``); the first result then also says
+    which backend and timeout the default process group got.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    options = dict(strategy or {})
+    if "timeout_seconds" in options:
+        options["timeout"] = timedelta(seconds=options.pop("timeout_seconds"))
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class(kind)}, **options)
+    group = dist.distributed_c10d._get_default_group()
+    process_group = {
+        "backend": dist.get_backend(),
+        "timeout_seconds": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+    }
+    results = []
+    for case in cases:
+        with fabric.init_module(empty_init=True):
+            model = build(kind, seed=123)
+        model = model.to(getattr(torch, case.get("model_dtype", "float32")))
+        model = fabric.setup_module(model)
+        outcome: dict[str, Any] = {"file": Path(case["file"]).name}
+        path = case["file"]
+        if case.get("missing_on_rank") == fabric.global_rank:
+            path = str(Path(path).with_name("does-not-exist.pth"))
+        try:
+            result = fabric.strategy.load_raw(
+                path,
+                model,
+                strict=case.get("strict", True),
+                load_mode=case.get("mode"),
+                key_map=case.get("key_map"),
+            )
+        except Exception as error:
+            outcome["error"] = f"{type(error).__name__}: {error}"
+            results.append(outcome)
+            continue
+        with torch.no_grad():
+            logits = logits_of(model, TOKENS).float()
+        expected = reference_logits(kind, case["reference"], case.get("model_dtype", "float32"))
+        outcome.update(
+            max_logit_diff=(logits - expected).abs().max().item(),
+            weights_differ=weights_differing(model, case["reference"], case.get("model_dtype", "float32")),
+            missing=result.missing,
+            unexpected=result.unexpected,
+            loaded=len(result.loaded),
+            param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        )
+        results.append(outcome)
+    results[0]["process_group"] = process_group
+    return results
+
+
+def fabric_load_raw_state_dict(num_nodes: int, devices: int, file: str, reference: str) -> dict[str, Any]:
+    """The user's call from the report: fabric.load(path, {"model": model}) on a flat converted state dict."""
+    fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
+    with fabric.init_module(empty_init=True):
+        model = build("llama", seed=123)
+    model = fabric.setup_module(model)
+    remainder = fabric.load(file, {"model": model})
+    with torch.no_grad():
+        logits = logits_of(model, TOKENS).float()
+    difference = (logits - reference_logits("llama", reference)).abs().max().item()
+    facts = {
+        "remainder": remainder,
+        "max_logit_diff": difference,
+        "weights_differ": weights_differing(model, reference),
+    }
+    # docs/api.md: Fabric's own load_raw drops the strategy's result; strategy.load_raw returns the LoadResult
+    facts["fabric_load_raw_returned"] = fabric.load_raw(file, model)
+    result = fabric.strategy.load_raw(file, model)
+    facts["strategy_load_raw_returned"] = (type(result).__name__, len(result.loaded), result.missing, result.unexpected)
+    return facts

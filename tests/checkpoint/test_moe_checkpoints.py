@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.helpers import moe
+from tests.helpers.counters import ReadCounter
 from tests.helpers.launch import launch
-from tests.scenarios.common import ReadCounter, full_state, make_fabric
+from tests.helpers.training import full_state, make_fabric
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,7 @@ def _optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, torch.
 
 def train_and_save(num_nodes: int, devices: int, kind: str, path: str, steps: int = 2) -> dict[str, Any]:
     """Train ``steps`` steps on HSDP (each rank its own rows), save sharded; the full model and AdamW state."""
-    from tests.scenarios.common import batch
+    from tests.helpers.training import batch
 
     fabric = make_fabric(num_nodes, devices)
     model = fabric.setup_module(moe.build(kind, seed=0))

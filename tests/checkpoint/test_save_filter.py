@@ -19,8 +19,7 @@ def _is_norm(name: str, value: object) -> bool:
 
 def save_filtered(num_nodes: int, devices: int, out: str, name: str) -> dict:
     """Train 2 steps, save the norms only (and the step), record the full model (rank 0 writes expected.pt)."""
-    from tests.scenarios.checkpoints import setup_training, train_steps
-    from tests.scenarios.common import full_state, layer_class, make_fabric
+    from tests.helpers.training import full_state, layer_class, make_fabric, setup_training, train_steps
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
     model, optimizer, scheduler = setup_training(fabric, empty_init=False)
@@ -35,8 +34,7 @@ def save_filtered(num_nodes: int, devices: int, out: str, name: str) -> dict:
 
 def load_filtered(num_nodes: int, devices: int, out: str, name: str) -> dict:
     """Load the filtered checkpoint with strict=False into a model initialised with another seed."""
-    from tests.scenarios.checkpoints import setup_training
-    from tests.scenarios.common import full_state, layer_class, make_fabric
+    from tests.helpers.training import full_state, layer_class, make_fabric, setup_training
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
     model, optimizer, _ = setup_training(fabric, empty_init=False, seed=99)

@@ -1,5 +1,7 @@
 """Background-save staging: only the chunks a rank writes are copied, into buffers kept across saves."""
 
+from __future__ import annotations
+
 import tempfile
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers.launch import launch
+from tests.helpers.training import layer_class, make_fabric, setup_training
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +18,8 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_stager_copies_what_this_rank_writes_and_the_checkpoint_is_whole(tmp_path, tensor_parallel_size):
     result = launch(
-        "tests.scenarios.io:staged_chunks", {"out": str(tmp_path), "tensor_parallel_size": tensor_parallel_size}
+        "tests.checkpoint.test_staging:staged_chunks",
+        {"out": str(tmp_path), "tensor_parallel_size": tensor_parallel_size},
     )
     for facts in result.check().values:
         # 2 replicas: each rank writes about half of its shards (dedup), so it stages about half; AdamW's scalar
@@ -47,8 +51,7 @@ def staged_sources(num_nodes: int, devices: int) -> dict:
     from fabric_hsdp.checkpoint.core.tree import tree_leaves
     from fabric_hsdp.checkpoint.training import staging
     from fabric_hsdp.checkpoint.training.state import CheckpointState
-    from tests.scenarios.checkpoints import setup_training, train_steps
-    from tests.scenarios.common import layer_class, make_fabric
+    from tests.helpers.training import layer_class, make_fabric, setup_training, train_steps
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("litgpt")}, tensor_parallel_size=2)
     model, optimizer, scheduler = setup_training(fabric, kind="litgpt", empty_init=False)
@@ -181,3 +184,50 @@ def test_the_writing_thread_binds_the_ranks_device_before_it_waits_for_the_copie
         ("synchronize", "writer"),
     ]
     assert background._StagedWriter("/nowhere").per_thread_copy_ahead == 0
+
+
+# Bodies: what each rank runs when a test above calls launch("<this module>:<body>").
+# Staged background saves.
+
+
+def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: int = 1) -> dict:
+    """Stage model + AdamW state twice with :class:`Stager`; write the second with DCP; report sizes and reuse."""
+    import torch.distributed.checkpoint as dcp
+
+    from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
+    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
+    from fabric_hsdp.checkpoint.training.staging import Stager
+    from fabric_hsdp.checkpoint.training.state import CheckpointState
+    from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
+    from tests.helpers.training import expected_state, train_steps
+
+    fabric = make_fabric(
+        num_nodes, devices, sharded_modules={layer_class("llama")}, tensor_parallel_size=tensor_parallel_size
+    )
+    model, optimizer, scheduler = setup_training(fabric, empty_init=False)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)
+    group = torch.distributed.new_group(backend="gloo")
+    stager = Stager()
+
+    def state() -> dict:
+        checkpoint = CheckpointState({"model": model.module, "optimizer": optimizer.optimizer})
+        with held_row_order():
+            return checkpoint.stored(checkpoint.tensors())[0]
+
+    first = stager.stage(state(), group)
+    pointers = sorted(buffer.data_ptr() for buffer in stager._buffers.values())
+    second = stager.stage(state(), group)
+    reused = pointers == sorted(buffer.data_ptr() for buffer in stager._buffers.values())
+    expected = expected_state(model, optimizer, scheduler)
+    train_steps(fabric, model, optimizer, scheduler, steps=1)  # after staging: must not reach the checkpoint
+    path = Path(out) / f"staged-tp{tensor_parallel_size}"
+    second.ready()
+    dcp.save(second.state, storage_writer=DirectWriter(path), planner=SavePlanner(), process_group=group)
+    if fabric.global_rank == 0:
+        torch.save(expected, Path(out) / f"expected-tp{tensor_parallel_size}.pt")
+    local = sum(
+        (t.to_local() if hasattr(t, "to_local") else t).nbytes
+        for t in [*model.state_dict().values(), *(v for s in optimizer.state.values() for v in s.values())]
+        if isinstance(t, torch.Tensor)
+    )
+    return {"staged": [first.nbytes, second.nbytes], "local": local, "reused": reused}

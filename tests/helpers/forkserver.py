@@ -42,7 +42,8 @@ PRELOAD = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "litgpt.model",
-    "tests.scenarios.common",
+    "pytest",  # a test module holds the bodies its tests launch, and imports pytest
+    "tests.helpers.training",
 )
 
 

@@ -1,8 +1,9 @@
 """Launch N simulated nodes x M ranks as real processes, the way Lightning's launchers set up the environment.
 
-Each rank runs ``tests/helpers/worker.py``, which imports a scenario function (``module:function``), calls it with the
-JSON arguments, and saves what it returns with ``torch.save`` to ``<out_dir>/rank<R>.pt``. The launcher enforces a
-timeout, ends every rank as soon as one fails (after a short grace period), and returns what each rank reported.
+Each rank runs ``tests/helpers/worker.py``, which imports a scenario function (``module:function``: the body beside
+the test that launches it, or a shared one in ``tests/helpers/``), calls it with the JSON arguments, and saves what it
+returns with ``torch.save`` to ``<out_dir>/rank<R>.pt``. The launcher enforces a timeout, ends every rank as soon as
+one fails (after a short grace period), and returns what each rank reported.
 Ranks are forked from a process that has imported torch and Lightning once (see ``forkserver.py``).
 """
 
@@ -214,7 +215,7 @@ def launch(
     env: dict[str, str] | None = None,
     out_dir: str | Path | None = None,
 ) -> LaunchResult:
-    """Run ``scenario`` (``"tests.scenarios.module:function"``) on ``num_nodes x ranks_per_node`` CPU processes.
+    """Run ``scenario`` (``"tests.test_file:function"``) on ``num_nodes x ranks_per_node`` CPU processes.
 
     The environment is what Lightning's launchers set: ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``,
     ``LOCAL_RANK``, ``WORLD_SIZE`` (so Fabric picks ``LightningEnvironment`` and the processes are created externally).

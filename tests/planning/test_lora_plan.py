@@ -13,7 +13,7 @@ from fabric_hsdp.cli import main
 from fabric_hsdp.planning import Training, Workload, load_model_shape, memory_per_device
 from fabric_hsdp.planning.lora import with_lora
 from tests.helpers.launch import launch
-from tests.scenarios.common import batch, hf_config, litgpt_config, logits_of, tiny_hf_llama
+from tests.helpers.training import batch, hf_config, litgpt_config, logits_of, tiny_hf_llama
 
 RANK = 4
 
@@ -67,7 +67,7 @@ def lora_shards(num_nodes: int, devices: int) -> dict:
     """One AdamW step of peft's all-linear LoRA (r=4) under bf16-mixed: the bytes each rank holds."""
     from torch.distributed.tensor import DTensor
 
-    from tests.scenarios.common import make_fabric
+    from tests.helpers.training import make_fabric
 
     def local_bytes(tensors) -> int:
         locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]

@@ -26,7 +26,7 @@ def test_total_and_active_parameters_of_a_moe_model(kind):
 
 
 def test_a_dense_model_has_no_active_count():
-    from tests.scenarios.common import tiny_hf_llama
+    from tests.helpers.training import tiny_hf_llama
 
     shape = model_shape_of_module(tiny_hf_llama())
     assert shape.active_parameters is None and "active" not in shape.summary()

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from fabric_hsdp.planning import load_model_shape, model_shape_of_module
 from fabric_hsdp.planning.sources import _llama_family_shapes
-from tests.scenarios.common import hf_config, litgpt_config, tiny_hf_llama
+from tests.helpers.training import hf_config, litgpt_config, tiny_hf_llama
 
 
 def shapes(model):

@@ -1,12 +1,37 @@
 """Tensor parallelism as the third mesh dim: 1 node x 4 ranks (1, 2, 2) and 2 simulated nodes x 2 ranks (2, 1, 2)."""
 
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tests.helpers.launch import launch
+from tests.helpers.training import (
+    batch,
+    build,
+    copy_full_into,
+    full_optimizer_state,
+    full_state,
+    hf_config,
+    layer_class,
+    litgpt_config,
+    logits_of,
+    make_fabric,
+    setup_training,
+    train_steps,
+)
 from tests.test_strategy import within_noise
 
-# the example LLaMA, transformers' Llama and litgpt's GPT (both with GQA), and transformers' Llama with tied embeddings
 KINDS = ["llama", "hf", "litgpt", "hf-tied"]
 LEVERS = {"sequence_parallel": True, "loss_parallel": True}
 
@@ -29,7 +54,7 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
     }
     values = (
         launch(
-            "tests.scenarios.parity:parity",
+            "tests.helpers.parity:parity",
             dict(options, tensor_parallel_size=2),
             num_nodes=nodes,
             ranks_per_node=per_node,
@@ -61,7 +86,9 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
 def test_init_under_tensor_parallelism():
     """Per-rank seeds: every part of a copy differs, replicated values are equal along their dims; logits exact;
     the gradient norm of the same weights as one process's, reduced in one all-reduce with no DTensor warning."""
-    values = launch("tests.scenarios.core:tensor_parallel_init", num_nodes=1, ranks_per_node=4).check().values
+    values = (
+        launch("tests.tensor_parallel.test_training:tensor_parallel_init", num_nodes=1, ranks_per_node=4).check().values
+    )
     for kind, facts in values[0].items():
         assert facts["mesh_shape"] == (1, 2, 2) and facts["mesh_dim_names"] == ("replicate", "shard", "tensor")
         assert facts["coordinates"] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
@@ -114,7 +141,9 @@ def test_init_under_tensor_parallelism():
 def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
     # each rank's own error (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
     debug = {"FABRIC_HSDP_DEBUG": "1"}
-    result = launch("tests.scenarios.core:bad_tensor_parallel", args, timeout=120, fail_grace=90, env=debug)
+    result = launch(
+        "tests.tensor_parallel.test_training:bad_tensor_parallel", args, timeout=120, fail_grace=90, env=debug
+    )
     assert not result.timed_out
     assert result.returncodes == [1, 1, 1, 1]
     for rank in result.ranks:
@@ -126,8 +155,8 @@ def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
 @pytest.mark.slow
 @pytest.mark.timeout(560)  # one launch of 500 s
 def test_ties_export_layout_dropout_and_checkpoints_across_sequence_and_loss_parallelism(tmp_path):
-    """One launch on (1, 2, 2), strategies one after another (see tests/scenarios/tp_levers.py)."""
-    values = launch("tests.scenarios.tp_levers:levers", {"out": str(tmp_path)}, timeout=500).check().values
+    """One launch on (1, 2, 2), strategies one after another (see levers below)."""
+    values = launch("tests.tensor_parallel.test_training:levers", {"out": str(tmp_path)}, timeout=500).check().values
     facts = values[0]
     print({key: value for key, value in facts.items() if key != "memory"})
     # tied embeddings: one parameter split by vocabulary rows, as many in the optimizer as in the model, equal after
@@ -175,7 +204,7 @@ def view_warnings(num_nodes: int, devices: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fabric_hsdp.tensor_parallel.view_warning import is_local_logits
-    from tests.scenarios.common import batch, make_fabric, tiny_llama
+    from tests.helpers.training import batch, make_fabric, tiny_llama
 
     fabric = make_fabric(num_nodes, devices, tensor_parallel_size=2)
     model = fabric.setup_module(tiny_llama())
@@ -202,3 +231,319 @@ def test_the_harmless_view_warning_of_tp_logits_is_not_shown():
     for facts in values.check().values:
         assert [text for text in facts["warnings"] if "returned a view tensor" in text] == [], facts["warnings"]
         assert facts["logits_are_local_logits"] is True and facts["a slice of them is not"] is False, facts
+
+
+# Bodies: what each rank runs when a test above calls launch("<this module>:<body>").
+# Meta init under tensor parallelism, and the tensor-parallel sizes and models the strategy rejects.
+
+
+def bad_tensor_parallel(num_nodes: int, devices: int, tensor_parallel_size: int, heads: int = 4) -> None:
+    """A tensor-parallel size the topology rejects, or a model whose heads it would split: every rank must fail."""
+    from transformers import LlamaForCausalLM
+
+    started = time.monotonic()
+    try:  # the topology fails in make_fabric, the heads in setup_module: both print the line
+        fabric = make_fabric(num_nodes, devices, tensor_parallel_size=tensor_parallel_size)
+        config = hf_config()
+        config.num_attention_heads = config.num_key_value_heads = heads
+        config.hidden_size, config.head_dim = 16 * heads, 16  # q_proj: 16 * heads rows, divisible by 2 even for 3
+        fabric.setup_module(LlamaForCausalLM(config))
+    finally:
+        print(f"setup ended after {time.monotonic() - started:.2f}s", flush=True)
+    dist.barrier()  # never reached when setup fails somewhere
+
+
+def tensor_parallel_init(num_nodes: int, devices: int, shard_size: Any = "node") -> dict[str, Any]:
+    """Meta init under tensor parallelism: slices differ, values replicated over a dim are equal along it."""
+    from fabric_hsdp.tensor_parallel import fused_rows_of
+
+    fabric = make_fabric(num_nodes, devices, shard_size=shard_size, tensor_parallel_size=2)
+    fabric.seed_everything(100 + fabric.global_rank)  # per-rank seeds, as in the user report
+    facts: dict[str, Any] = {}
+    for kind in ("llama", "litgpt"):
+        reference = build(kind, seed=0)
+        with fabric.init_module(empty_init=True):
+            model = build(kind, seed=fabric.global_rank)
+        model = fabric.setup_module(model)
+        mesh = fabric.strategy.parallel_mesh
+        gathered = {}
+        for name, param in model.module.named_parameters():
+            local = param.to_local().contiguous()
+            pieces = [torch.empty_like(local) for _ in range(fabric.world_size)]
+            dist.all_gather(pieces, local)
+            gathered[name] = pieces
+        coordinates = [fabric.strategy.topology.coordinates(rank) for rank in range(fabric.world_size)]
+        norms = {
+            name: all(bool((piece == 1).all()) for piece in pieces)
+            for name, pieces in gathered.items()
+            if "norm" in name
+        }
+        facts[kind] = {
+            "coordinates": coordinates,
+            "mesh_shape": tuple(mesh.device_mesh.shape),
+            "mesh_dim_names": mesh.device_mesh.mesh_dim_names,
+            "replicated_dims": {name: mesh.replicated_dims(p) for name, p in model.module.named_parameters()},
+            "placements": {name: tuple(str(x) for x in p.placements) for name, p in model.module.named_parameters()},
+            "gathered": {name: [piece.clone() for piece in pieces] for name, pieces in gathered.items()},
+            "norms_are_ones": norms,
+            "fused": sorted(fused_rows_of(model.module)),
+            "buffers_equal": {
+                name: torch.equal(buffer.cpu(), dict(reference.named_buffers())[name])
+                for name, buffer in model.module.named_buffers()
+            },
+        }
+        copy_full_into(model, reference.state_dict())  # the same weights give the same logits
+        tokens, _ = batch(2)
+        with torch.no_grad():
+            facts[kind]["max_logit_diff"] = (logits_of(model, tokens) - logits_of(reference, tokens)).abs().max().item()
+        facts[kind]["gradient_norm"] = _gradient_norms(fabric, model, reference, tokens)
+    return facts
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _gradient_norms(fabric: L.Fabric, model: Any, reference: torch.nn.Module, tokens: torch.Tensor) -> dict[str, Any]:
+    """One backward's gradient norm from ``fabric.clip_gradients`` and what DTensor logged meanwhile, the same norm
+    with DTensor's one all-reduce per mesh dim, and one process's norm of the same weights and batch."""
+    from torch.distributed.tensor import _redistribute
+
+    from fabric_hsdp.gradients import clip_grad_norm
+
+    targets = tokens.roll(-1, dims=1)
+    for module in (model, reference):
+        loss = torch.nn.functional.cross_entropy(logits_of(module, tokens).flatten(0, 1), targets.flatten())
+        fabric.backward(loss) if module is model else loss.backward()
+    # after the backward: FSDP leaves the root's parameters gathered after a forward (the one above, in no_grad)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.0))
+    # torch >= 2.11 merges the all-reduces of several mesh dims into one; 2.8 has no such transform to disable
+    sequential_only = getattr(_redistribute, "disable_redistribute_transform_optimization", contextlib.nullcontext)
+    with sequential_only():  # max_norm=inf: the gradients stay as they are
+        sequential = clip_grad_norm(model.parameters(), max_norm=float("inf")).item()
+    getattr(_redistribute, "_warned_flatten_issues", set()).clear()  # DTensor logs a missing flattened dim once
+    records = _Records()
+    logger = logging.getLogger("torch.distributed.tensor")
+    logger.addHandler(records)
+    try:
+        norm = fabric.clip_gradients(model, optimizer, max_norm=0.5).item()
+    finally:
+        logger.removeHandler(records)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5).item()
+    return {"ours": norm, "sequential": sequential, "reference": expected, "logged": records.messages}
+
+
+# The levers body: one launch on (1, 2, 2), several strategies one after another: what tensor parallelism keeps of a
+# model's meaning beyond its logits -- tied weights, the state-dict layout torch's own export sees, dropout masks -- and
+# what sequence and loss parallelism change (saved activations, logits) and keep (checkpoints across the levers).
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _step(fabric: Any, model: Any, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    with fabric.strategy.loss_parallel():
+        logits = logits_of(model, tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        fabric.backward(loss)
+    return loss.item()
+
+
+def _tied(fabric: Any) -> dict[str, Any]:
+    """A tied LM stays tied: one parameter for the optimizer, one value after an AdamW step."""
+    facts = {}
+    tokens, targets = batch(2, seed=3)
+    for kind in ("hf-tied", "llama-tied"):
+        reference = build(kind, seed=0)
+        model = fabric.setup_module(build(kind, seed=0))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        inner = model.module
+        if kind == "hf-tied":
+            head, embedding = inner.lm_head, inner.model.embed_tokens
+        else:
+            head, embedding = inner.output, inner.tok_embeddings
+        _step(fabric, model, tokens, targets)
+        optimizer.step()
+        facts[kind] = {
+            "same_parameter": head.weight is embedding.weight,
+            "placements": tuple(str(p) for p in head.weight.placements),
+            "optimizer_parameters": sum(len(group["params"]) for group in optimizer.param_groups),
+            "reference_parameters": len(list(reference.parameters())),
+            "equal_after_step": torch.equal(_full(head.weight), _full(embedding.weight)),
+        }
+    return facts
+
+
+def _export(fabric: Any, out: Path) -> dict[str, Any]:
+    """torch's standard state-dict paths give litgpt's own [Q; K; V] rows under tensor parallelism."""
+    import torch.distributed.checkpoint as dcp
+    from litgpt.model import GPT
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    reference = build("litgpt", seed=0).state_dict()
+    model = fabric.setup_module(build("litgpt", seed=0)).module  # without Fabric's wrapper, as torch code sees it
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    by_hand = {name: _full(tensor) for name, tensor in model.state_dict().items()}
+
+    def unequal(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+        return [name for name, tensor in expected.items() if not torch.equal(state[name].cpu(), tensor)]
+
+    facts: dict[str, Any] = {"full_state_dict": unequal(full, reference), "state_dict": unequal(by_hand, reference)}
+    # litgpt itself loads the export and computes the same logits
+    loaded = GPT(litgpt_config())
+    loaded.load_state_dict({name: tensor.cpu() for name, tensor in full.items()})
+    tokens, _ = batch(2)
+    facts["litgpt_logits_equal"] = torch.equal(logits_of(loaded, tokens), logits_of(build("litgpt", seed=0), tokens))
+    # a user's own DCP save of get_model_state_dict(model) holds the model's layout too, and loads back
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(out / "user-dcp"))
+    if dist.get_rank() == 0:
+        dcp_to_torch_save(out / "user-dcp", out / "user-dcp.pt")
+        facts["dcp"] = unequal(torch.load(out / "user-dcp.pt", weights_only=True), reference)
+    other = build("litgpt", seed=5).state_dict()
+    # set_model_state_dict turns the given full tensors into DTensors in place: hand it a copy
+    given = {name: tensor.clone() for name, tensor in other.items()}
+    set_model_state_dict(model, given, options=StateDictOptions(full_state_dict=True))
+    facts["set_full_state_dict"] = unequal(full_state(model), other)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=str(out / "user-dcp"))
+    set_model_state_dict(model, state)
+    facts["dcp_round_trip"] = unequal(full_state(model), reference)
+    return facts
+
+
+class _MaskRecorder:
+    """Records which elements every ``F.dropout`` call zeroed, in call order."""
+
+    def __init__(self) -> None:
+        self.masks: list[torch.Tensor] = []
+        self.original = F.dropout
+
+    def __enter__(self) -> _MaskRecorder:
+        def recording(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+            output = self.original(input, p, training, inplace)
+            if training and p > 0:
+                self.masks.append((_local(output) == 0).detach().clone())
+            return output
+
+        F.dropout = recording
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        F.dropout = self.original
+
+
+def _dropout(fabric: Any, label: str) -> dict[str, Any]:
+    """One training step of the example model with dropout 0.5, ranks seeded per rank before setup."""
+    tokens, targets = batch(2, seed=4)
+    model = build("llama-dropout", seed=0)
+    torch.manual_seed(1000 + fabric.global_rank)  # what users write: seed_everything(seed + rank)
+    model = fabric.setup_module(model)
+    with _MaskRecorder() as recorder:
+        _step(fabric, model, tokens, targets)
+    gradients = {name: _full(param.grad).clone() for name, param in model.named_parameters()}
+    masks: list[list[torch.Tensor]] = [[] for _ in range(fabric.world_size)]
+    dist.all_gather_object(masks, recorder.masks)
+    # tensor-parallel peers: ranks (0, 1) and (2, 3)
+    return {
+        "calls": len(recorder.masks),
+        "peers_equal": [torch.equal(masks[0][i], masks[1][i]) for i in range(len(masks[0]))],
+        "peers_equal_2_3": [torch.equal(masks[2][i], masks[3][i]) for i in range(len(masks[2]))],
+        "gradients": gradients,
+        "label": label,
+    }
+
+
+def _activation_bytes(fabric: Any, kind: str) -> dict[str, int]:
+    """Activation bytes this rank saves for backward in one forward + loss (each storage once, weights not counted),
+    and the logits' bytes."""
+    tokens, targets = batch(2, seed=5)
+    model = fabric.setup_module(build(kind, seed=0))
+    storages: dict[int, int] = {}
+    loss_storages: dict[int, int] = {}
+    record = storages
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        local = _local(tensor)
+        if isinstance(local, AsyncCollectiveTensor):  # the result of a collective still in flight
+            local = local.trigger_wait()
+        weights = {_local(param).untyped_storage().data_ptr() for param in model.parameters()}  # FSDP's unsharded
+        if tensor.is_leaf or local.untyped_storage().data_ptr() in weights:  # inputs, buffers, weights
+            return tensor
+        record[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return tensor
+
+    with fabric.strategy.loss_parallel():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logits = logits_of(model, tokens)
+            record = loss_storages
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        fabric.backward(loss)
+    return {
+        "model": sum(storages.values()),
+        "loss": sum(size for ptr, size in loss_storages.items() if ptr not in storages),
+        "logits": _local(logits).untyped_storage().nbytes(),
+    }
+
+
+def _checkpoints_across_levers(plain: Any, levers: Any, out: Path) -> dict[str, Any]:
+    """Saved with plain TP, loaded with sequence + loss parallelism, and the reverse: exact."""
+    facts = {}
+    for kind in ("litgpt", "hf", "llama"):
+        for name, saver, loader in (("plain-to-levers", plain, levers), ("levers-to-plain", levers, plain)):
+            model, optimizer, scheduler = setup_training(saver, kind, empty_init=False, seed=0)
+            train_steps(saver, model, optimizer, scheduler, steps=1)
+            expected = full_state(model), full_optimizer_state(model.module, optimizer.optimizer)
+            path = out / f"{kind}-{name}"
+            saver.save(path, {"model": model, "optimizer": optimizer})
+            model, optimizer, scheduler = setup_training(loader, kind, empty_init=True, seed=9)
+            loader.load(path, {"model": model, "optimizer": optimizer})
+            actual = full_state(model), full_optimizer_state(model.module, optimizer.optimizer)
+            facts[f"{kind}-{name}"] = {
+                "model": [key for key, value in expected[0].items() if not torch.equal(actual[0][key], value)],
+                "optimizer": [
+                    f"{fqn}.{key}"
+                    for fqn, entries in expected[1].items()
+                    for key, value in entries.items()
+                    if not torch.equal(actual[1][fqn][key], value)
+                ],
+                "compared": len(expected[0]),
+            }
+    return facts
+
+
+def levers(num_nodes: int, devices: int, out: str) -> dict[str, Any]:
+    out_dir = Path(out)
+    block = {layer_class("llama")}
+    plain = make_fabric(num_nodes, devices, tensor_parallel_size=2)
+    facts: dict[str, Any] = {"tied": _tied(plain), "export": _export(plain, out_dir)}
+    with_levers = make_fabric(num_nodes, devices, tensor_parallel_size=2, **LEVERS)
+    facts["tied_levers"] = _tied(with_levers)
+    facts["checkpoints"] = _checkpoints_across_levers(plain, with_levers, out_dir)
+    facts["memory"] = {
+        label: {kind: _activation_bytes(fabric, kind) for kind in ("llama", "hf", "litgpt")}
+        for label, fabric in (("tp", plain), ("levers", with_levers))
+    }
+    dropout = {"tp": _dropout(plain, "tp"), "sp": _dropout(with_levers, "sp")}
+    for label, options in (("tp-ac", {}), ("sp-ac", LEVERS)):
+        fabric = make_fabric(num_nodes, devices, tensor_parallel_size=2, activation_checkpointing=block, **options)
+        dropout[label] = _dropout(fabric, label)
+    gradients = {label: facts.pop("gradients") for label, facts in dropout.items()}
+    dropout["recompute_unequal"] = {
+        label: [name for name, grad in gradients[label].items() if not torch.equal(grad, gradients[base][name])]
+        for label, base in (("tp-ac", "tp"), ("sp-ac", "sp"))
+    }
+    facts["dropout"] = dropout
+    return facts

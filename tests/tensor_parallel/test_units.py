@@ -7,7 +7,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from fabric_hsdp.tensor_parallel import FusedColwise, FusedRows, validate_plan
 from fabric_hsdp.tensor_parallel.plans import auto_plan
 from fabric_hsdp.tensor_parallel.styles import to_style
-from tests.scenarios.common import build
+from tests.helpers.training import build
 
 
 def test_fused_rows_give_each_rank_its_heads_of_each_block():

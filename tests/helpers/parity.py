@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tests.scenarios.common import batch, build, full_state, layer_class, logits_of, make_fabric
+from tests.helpers.training import batch, build, full_state, layer_class, logits_of, make_fabric
 
 LEARNING_RATE = 1e-2
 MAX_NORM = 0.5

@@ -1,7 +1,12 @@
-"""Building blocks shared by the scenarios that launched ranks run."""
+"""Tiny models, a Fabric on CPU ranks, and the training steps that tests and launched ranks share.
+
+Also ``finetune``, a body that ``launch()`` runs: ``examples/finetune.py``'s ``main`` on each rank.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -152,17 +157,69 @@ def copy_full_into(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                 tensor.copy_(full)
 
 
-class ReadCounter:
-    """Counts the tensor bytes this process reads from checkpoint files (every such read ends in fileio.readinto)."""
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """The optimizer state of every parameter as full plain tensors in the model's own layout, keyed by name.
 
-    def __init__(self) -> None:
-        from fabric_hsdp.checkpoint.core import fileio
+    Rows that tensor parallelism regrouped (litgpt's qkv) are put back in the model's order.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        self.bytes = 0
-        readinto = fileio.readinto
+    from fabric_hsdp.tensor_parallel import fused_rows_of
 
-        def counting_readinto(fd: int, target: torch.Tensor, offset: int, **kw: Any) -> None:
-            self.bytes += target.nbytes
-            readinto(fd, target, offset, **kw)
+    fused = fused_rows_of(model)
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    full = {}
+    for fqn, entries in state["state"].items():
+        full[fqn] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                value = fused[fqn].to_stored_order(value) if fqn in fused and value.ndim else value
+                value = value.detach().cpu().clone()
+            full[fqn][key] = value
+    return full
 
-        fileio.readinto = counting_readinto
+
+def expected_state(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """Full model and optimizer state plus the scheduler's, gathered on every rank (the gathers are collectives)."""
+    return {
+        "model": full_state(model.module),
+        "optimizer": full_optimizer_state(model.module, optimizer.optimizer),
+        "scheduler": scheduler.state_dict(),
+    }
+
+
+def setup_training(fabric: Any, kind: str = "llama", empty_init: bool = True, seed: int = 0) -> tuple[Any, Any, Any]:
+    """A model built (on meta with ``empty_init``) and set up, its AdamW and a StepLR scheduler."""
+    with fabric.init_module(empty_init=empty_init):
+        model = build(kind, seed=seed)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def train_steps(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps: int) -> None:
+    """``steps`` AdamW steps, each data-parallel rank on its own rows (tensor-parallel peers on the same)."""
+    data = fabric.strategy.distributed_sampler_kwargs  # tensor-parallel peers share their rows
+    inputs, targets = batch(2 * data["num_replicas"], seed=7)
+    rows = slice(2 * data["rank"], 2 * data["rank"] + 2)
+    for _ in range(steps):
+        # a no-op unless loss_parallel=True split the logits; Lightning's own strategies (the interop runs) have none
+        loss_context = getattr(fabric.strategy, "loss_parallel", contextlib.nullcontext)
+        with loss_context():
+            logits = logits_of(model, inputs[rows])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
+            fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+PATH_ARGUMENTS = ("checkpoint_dir", "out_dir", "data")
+
+
+def finetune(num_nodes: int, devices: int, args: dict[str, Any]) -> None:
+    from examples.finetune import main
+
+    arguments = {key: Path(value) if key in PATH_ARGUMENTS else value for key, value in args.items()}
+    main(**arguments, accelerator="cpu", devices=devices, num_nodes=num_nodes)
