@@ -25,10 +25,10 @@ PLANTS: dict[str, Plant] = {
         "read_local skips every embedding shard whose rows start past 0 (ranks 1 and 3 keep their init)",
         (
             (
-                "        rows = local[piece.start : piece.stop]\n",
+                "        part = local[piece.start : piece.stop]\n",
                 "        if 'embed' in name and piece.offsets[0] > 0:\n"
                 "            continue\n"
-                "        rows = local[piece.start : piece.stop]\n",
+                "        part = local[piece.start : piece.stop]\n",
             ),
         ),
         (

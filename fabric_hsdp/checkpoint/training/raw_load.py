@@ -93,8 +93,8 @@ def read_local(
         local.copy_(source.read(name))
         return
     for piece in pieces_of(target, fused, rows):
-        rows = local[piece.start : piece.stop]
-        rows.copy_(source.read_slice(name, piece.box(local.shape).slices()).view(rows.shape))
+        part = local[piece.start : piece.stop]
+        part.copy_(source.read_slice(name, piece.box(local.shape).slices()).view(part.shape))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
