@@ -10,7 +10,8 @@ Compute, per token (torchtitan's and PaLM's count): ``6 N + 12 L d s`` model FLO
 matmuls (every 2-D weight except the token embedding, whose forward is a lookup; the output head counts even when
 tied; of a mixture-of-experts layer's experts, fused 3-D or one module each, the ``k`` of ``E`` a token is routed
 to: ``k / E`` of their parameters, the active ones), ``L`` layers, ``d`` the attention width (heads x head dim), ``s``
-the sequence length. The hardware also runs the forward again for every checkpointed layer (full AC; selective AC
+the sequence length. A frozen weight (a LoRA model's base) needs no weight gradient: ``4`` FLOPs per parameter per
+token instead of ``6``. The hardware also runs the forward again for every checkpointed layer (full AC; selective AC
 recomputes only element-wise ops, counted as none). A device's compute per step is its TP group's tokens' FLOPs over
 ``T``, at ``device_flops x efficiency``.
 
@@ -78,23 +79,34 @@ class Throughput:
 def flops_per_token(model: ModelShape, training: Training) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs incl. recompute) per token of a training step (see the module docstring)."""
     dims = model.dims
-    matmul = sum(
-        p.numel for p in model.parameters if len(p.shape) == 2 and not _is_token_embedding(p.name) and not _expert(p)
-    )
-    experts = sum(p.numel for p in model.parameters if _expert(p) and len(p.shape) >= 2)
+    dense = [p for p in model.parameters if len(p.shape) == 2 and not _is_token_embedding(p.name) and not _expert(p)]
+    experts = [p for p in model.parameters if _expert(p) and len(p.shape) >= 2]
+    # forward, input gradients and weight gradients: 2 FLOPs each per parameter and token; a frozen weight has no
+    # weight gradient
+    matmul, matmul_flops = sum(p.numel for p in dense), sum(_flops(p) * p.numel for p in dense)
+    routed, routed_flops = sum(p.numel for p in experts), sum(_flops(p) * p.numel for p in experts)
     if dims.num_experts and dims.experts_per_token:  # a token passes through top-k of each layer's experts
-        experts = experts * dims.experts_per_token // dims.num_experts
-    matmul += experts  # without a top-k (no config): every expert, an upper bound
+        routed = routed * dims.experts_per_token // dims.num_experts
+        routed_flops = routed_flops * dims.experts_per_token // dims.num_experts
+    matmul, matmul_flops = matmul + routed, matmul_flops + routed_flops  # without a top-k: every expert, a bound
     if not any(p for p in model.parameters if p.unit == "" and _is_output_head(p.name)):
-        matmul += dims.vocab_size * dims.hidden_size  # a tied head still multiplies by the embedding
+        # a tied head still multiplies by the embedding
+        embedding = next((p for p in model.parameters if _is_token_embedding(p.name)), None)
+        matmul += dims.vocab_size * dims.hidden_size
+        matmul_flops += (6 if embedding is None else _flops(embedding)) * dims.vocab_size * dims.hidden_size
     width = (dims.num_heads or 0) * (dims.head_dim or 0) or dims.hidden_size
     attention = 12 * dims.num_layers * width * training.workload.seq_len
-    model_flops = 6 * matmul + attention
+    model_flops = matmul_flops + attention
     recomputed = 0.0 if training.checkpointing == "selective" else training.checkpointed_layers(dims.num_layers)
     layer_share = recomputed / dims.num_layers if dims.num_layers else 0.0
     head = dims.vocab_size * dims.hidden_size
     forward_of_layers = 2 * max(matmul - head, 0) + attention / 3
     return model_flops, model_flops + layer_share * forward_of_layers
+
+
+def _flops(parameter: ParameterShape) -> int:
+    """FLOPs per token of one weight element: forward, input gradient, and weight gradient unless frozen."""
+    return 6 if parameter.trainable else 4
 
 
 def throughput(

@@ -506,6 +506,15 @@ PLANTS: dict[str, Plant] = {
             "test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and_exports[litgpt]",
         ),
     ),
+    "33q": Plant(
+        "a frozen base needs no weight gradients in the planner's FLOPs (#33)",
+        "a frozen weight is counted at 6 FLOPs per token, as if it had a weight gradient",
+        (("    return 6 if parameter.trainable else 4\n", "    return 6\n"),),
+        (
+            "tests/planning/test_lora_plan.py::test_a_frozen_base_needs_no_weight_gradients_in_the_flops[False]",
+            "tests/planning/test_lora_plan.py::test_a_frozen_base_needs_no_weight_gradients_in_the_flops[True]",
+        ),
+    ),
     "34a": Plant(
         "resuming another model's checkpoint names both sides (#34)",
         "no key check before DCP's load: torch's bare 'Missing key in checkpoint state_dict'",
@@ -749,7 +758,12 @@ PLANTS: dict[str, Plant] = {
     "32o": Plant(
         "model FLOPs per token count the active parameters of an MoE model (#32)",
         "every expert counted in the FLOPs per token",
-        (("        experts = experts * dims.experts_per_token // dims.num_experts\n", "        experts = experts\n"),),
+        (
+            (
+                "        routed_flops = routed_flops * dims.experts_per_token // dims.num_experts\n",
+                "        routed_flops = routed_flops\n",
+            ),
+        ),
         (
             "tests/planning/test_moe_plan.py::test_model_flops_count_the_active_parameters[qwen3_moe]",
             "tests/planning/test_moe_plan.py::test_model_flops_count_the_active_parameters[litgpt_moe]",

@@ -154,3 +154,24 @@ def test_the_70b_lora_plan_in_the_docs_is_the_tools_output(capsys):
         printed = (captured.out + captured.err).splitlines()
         for line in shown.splitlines():
             assert line.startswith("[...") or line in printed, (command, line)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_frozen_base_needs_no_weight_gradients_in_the_flops(tmp_path, tied):
+    """Forward, input gradients and weight gradients take 2 FLOPs each per weight and token; a frozen weight has no
+    weight gradient: 4, not 6 (the step-time estimate of a LoRA plan). Counted here by hand from the shapes."""
+    import math
+
+    from fabric_hsdp.planning.throughput import flops_per_token
+
+    config = hf_config()
+    config.tie_word_embeddings = tied
+    config.save_pretrained(tmp_path)
+    base = load_model_shape(tmp_path)
+    planned = with_lora(base, RANK)
+    weights = [p for p in base.parameters if len(p.shape) == 2 and "embed_tokens" not in p.name]
+    matmul = sum(math.prod(p.shape) for p in weights) + (config.vocab_size * config.hidden_size if tied else 0)
+    adapters = sum(math.prod(p.shape) for p in planned.parameters if p.trainable)
+    training = Training(workload=Workload(1, 64))
+    (full, _), (lora, _) = flops_per_token(base, training), flops_per_token(planned, training)
+    assert full - lora == 6 * matmul - (4 * matmul + 6 * adapters)
