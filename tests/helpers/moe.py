@@ -43,23 +43,15 @@ def config(kind: str) -> Any:
         return MixtralConfig(
             **common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01
         )
-    from litgpt import Config
+    from dataclasses import replace
 
-    return Config(
+    from tests.helpers.training import litgpt_config
+
+    # the dense tiny Llama's config with LLaMAMoE blocks (replace re-runs litgpt's __post_init__)
+    return replace(
+        litgpt_config(),
         name="tiny-moe-test",
-        block_size=SEQ,
-        vocab_size=VOCAB,
-        padded_vocab_size=VOCAB,
-        n_layer=2,
-        n_head=4,
-        n_query_groups=2,
-        n_embd=64,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        bias=False,
-        norm_class_name="RMSNorm",
         mlp_class_name="LLaMAMoE",
-        intermediate_size=96,
         moe_intermediate_size=32,
         n_expert=4,
         n_expert_per_token=2,
