@@ -10,8 +10,8 @@ above torch's own hook, which prefixes each line with ``[rankN]:``) makes an unc
 once, on global rank 0; the other ranks exit with the same status (1) quietly, once rank 0 has said it (they wait for
 its word in the process group's store: a launcher such as torchrun ends every rank when the first one exits, which
 could be before rank 0 printed). A rank whose error rank 0 does not report within ``REPORT_WAIT`` seconds (it failed
-alone) prints its own line, naming its rank. Under torchrun (and ``fabric run``) rank 0 also writes the line to
-torchrun's error file, so torchrun's summary names the root cause instead of a link to torch's docs.
+alone) prints its own line, naming its rank. Under torchrun (and ``fabric run``) every rank also writes its line to
+torchrun's error file, so torchrun's summary on every node names the root cause instead of a link to torch's docs.
 
 The package's errors are :class:`~fabric_hsdp.errors.FabricHSDPError` and the types it raises for a user's mistake
 (``ValueError``, ``TypeError``, ``OSError``, ``ImportError``) when raised by its own code (the traceback ends in
@@ -76,6 +76,7 @@ class PackageErrorHook:
             return
         rank = global_rank()
         if rank != 0 and _rank_zero_reported():
+            _tell_torchrun(error_line(error))  # the other nodes' torchrun summaries name the reason too
             return
         line = error_line(error) if rank == 0 else error_line(error).replace(": error:", f": error on rank {rank}:", 1)
         sys.stderr.write(line + "\n")

@@ -45,12 +45,27 @@ def main(argv: Sequence[str]) -> int:
     try:
         fabric_cli.main(args=Namespace(**params, script=str(RUN_SCRIPT)), script_args=[script, *script_args])
     except ChildFailedError as error:
-        print(f"fabric-hsdp run: {error}", file=sys.stderr)
+        print(failure_line(error), file=sys.stderr)
         return 1
     finally:
         if notice is not None:
             notice.cancel()
     return 0
+
+
+def failure_line(error: Any) -> str:
+    """The one line that ends a node's log when its processes failed (torchrun's ``ChildFailedError``): the reason
+    its first failed rank gave (the package's one-line error, which every rank writes to torchrun's error file), or
+    how it ended and where its traceback is."""
+    rank, failure = error.get_first_failure()
+    where = f"rank {rank} (local rank {failure.local_rank})"
+    message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+    # torch's error file nests {"message": ..., "extraInfo": ...}; without one its error_file reads "<N/A>"
+    if failure.error_file != "<N/A>" and message:
+        return f"fabric-hsdp run: {where} failed: {' '.join(str(message).split())}"
+    if failure.exitcode < 0:
+        return f"fabric-hsdp run: {where} was killed by {failure.signal_name()} (out of memory is a common cause)"
+    return f"fabric-hsdp run: {where} exited with code {failure.exitcode}; its traceback is in this node's log above"
 
 
 def _say_if_waiting(params: dict[str, Any]) -> threading.Timer | None:

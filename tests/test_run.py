@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,53 @@ def test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so(tmp_path)
         rf" run` on every node with the same --num-nodes, --main-address and --main-port\.",
         said[0],
     ), said[0]
+
+
+FAILING_SCRIPT = """
+import lightning as L
+import torch
+
+fabric = L.Fabric()
+model = fabric.setup_module(torch.nn.Linear(4, 4))  # no layers to shard: the package's one-line error
+"""
+
+
+@pytest.mark.timeout(240)
+def test_every_node_of_a_failed_job_ends_its_log_with_the_reason_in_one_line(tmp_path):
+    """#44: node 0 printed the reason; node 1's shell showed torchrun's summary (a link to torch's docs in place of the
+    reason) and never the reason. Two `fabric-hsdp run` launches, --node-rank 0 and 1, as on two machines."""
+    path = tmp_path / "train.py"
+    path.write_text(FAILING_SCRIPT)
+    port = free_port()
+    launches = []
+    for node_rank in (0, 1):
+        command = [str(Path(sys.executable).with_name("fabric-hsdp")), "run", "--accelerator", "cpu", "--devices", "2"]
+        command += ["--num-nodes", "2", "--node-rank", str(node_rank), "--main-address", "127.0.0.1"]
+        command += ["--main-port", str(port), "--strategy", "hsdp", str(path)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        launches.append(subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True))
+    logs = [process.communicate(timeout=200)[1] for process in launches]
+    for node_rank, (process, log) in enumerate(zip(launches, logs)):
+        assert process.returncode == 1, log
+        assert re.fullmatch(
+            r"fabric-hsdp run: rank \d \(local rank \d\) failed: fabric-hsdp: error: HybridFSDPStrategy\("
+            r"sharded_modules=None .* matched no submodule of Linear, .* \(set FABRIC_HSDP_DEBUG=1 for the"
+            r" traceback\)",
+            log.strip().splitlines()[-1],
+        ), (node_rank, log)
+        assert "To enable traceback see" not in log, log
+
+
+def test_a_failed_rank_without_the_packages_reason_is_named_with_where_its_traceback_is(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from fabric_hsdp.run import failure_line
+
+    no_file = ChildFailedError("train.py", {3: ProcessFailure(1, 1234, 1, str(tmp_path / "none.json"))})
+    assert failure_line(no_file) == (
+        "fabric-hsdp run: rank 3 (local rank 1) exited with code 1; its traceback is in this node's log above"
+    )
+    killed = ChildFailedError("train.py", {2: ProcessFailure(0, 1234, -9, str(tmp_path / "none.json"))})
+    assert failure_line(killed) == (
+        "fabric-hsdp run: rank 2 (local rank 0) was killed by SIGKILL (out of memory is a common cause)"
+    )

@@ -17,7 +17,7 @@ from torch import nn
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.commit import atomic_output
-from fabric_hsdp.checkpoint.core.wrapped_names import adapter_keys
+from fabric_hsdp.checkpoint.core.wrapped_names import adapter_keys, user_module
 
 
 def gathered_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -28,7 +28,7 @@ def gathered_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.tensor import DTensor
 
-    model = getattr(model, "module", model)  # Fabric's wrapper
+    model = user_module(model)
     keys = set(adapter_keys(model))
     if not keys:
         raise ValueError(
@@ -53,7 +53,7 @@ def export_peft_adapter(model: nn.Module, directory: str | Path, overwrite: bool
     Call on every rank; rank 0 writes, and the directory appears whole (written aside, then renamed). Returns the
     directory on rank 0, ``None`` elsewhere.
     """
-    module = getattr(model, "module", model)
+    module = user_module(model)
     if not callable(getattr(module, "save_pretrained", None)) or not hasattr(module, "peft_config"):
         raise TypeError(
             f"export_peft_adapter takes a peft PeftModel (get_peft_model(...)), got {type(module).__name__}; for"

@@ -20,7 +20,7 @@ from torch import nn
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
-from fabric_hsdp.checkpoint.core.wrapped_names import Wrapper, base_names, wrappers_of
+from fabric_hsdp.checkpoint.core.wrapped_names import Wrapper, base_names, user_module, wrappers_of
 from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
 from fabric_hsdp.versions import module_parameters
 
@@ -102,7 +102,7 @@ def export_merged(
 
     Call on every rank; rank 0 writes (atomically) and returns the path, the others ``None``.
     """
-    module = getattr(model, "module", model)
+    module = user_module(model)
     entries = _merged_tensors(module)
     library = next(iter(wrappers_of(module).values()))[1].library
     path = Path(path)

@@ -3,7 +3,8 @@
 * :mod:`fileio`: positioned reads into tensors, ``O_DIRECT`` writes.
 * :mod:`commit`: outputs appear at their path atomically, or not at all; :mod:`watchdog`: a rank stalled in
   checkpoint I/O fails every rank (``io_timeout``).
-* :mod:`keys`: matching checkpoint keys to a model's (``key_map``, wrapper prefixes).
+* :mod:`keys`: matching checkpoint keys to a model's (``key_map``, wrapper prefixes, tied names); :mod:`mismatch`:
+  why a checkpoint does not fit (another project's names, another model or config, adapters only).
 * :mod:`box`: one box (offsets and sizes) of a tensor; :mod:`boxes`: the boxes of a stored tensor a rank's local
   shard holds, presented to DCP as :class:`StoredBoxes`.
 * :mod:`lazy_tensor` and :mod:`tree`: a tensor read only when asked, and walking nested state of them.

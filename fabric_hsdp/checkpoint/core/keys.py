@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+
+from fabric_hsdp.checkpoint.core import mismatch
+from fabric_hsdp.checkpoint.core.mismatch import Configs
 
 KeyMap = Callable[[str], str | None]
 KeyMapSpec = KeyMap | Mapping[str, str | None] | str | Sequence[str] | None
@@ -64,6 +68,16 @@ def make_key_map(spec: KeyMapSpec) -> KeyMap:
     if callable(spec):
         return spec
     raise TypeError(f"key_map must be None, a callable, a dict of prefix rules or rule strings, got {type(spec)}")
+
+
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """Each state-dict key -> the first key naming the same tensor (tied weights, e.g. an embedding and the output).
+
+    ``state_dict()`` lists a shared tensor under every name; checkpoints (``save_pretrained``, safetensors) store it
+    under one.
+    """
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(tensor), name) for name, tensor in module.state_dict(keep_vars=True).items()}
 
 
 def strip_wrappers(key: str) -> str:
@@ -201,6 +215,7 @@ def format_key_errors(
     *,
     source_name: str,
     hint: str = "Pass strict=False to skip them, or key_map= to rename.",
+    configs: Configs | None = None,
 ) -> str | None:
     """One message listing missing, unexpected and shape-mismatched tensors, or ``None`` if there are none.
 
@@ -209,7 +224,9 @@ def format_key_errors(
         model_infos: model key -> TensorInfo, tensor or ``(shape, dtype)``.
         source_infos: checkpoint key -> TensorInfo, tensor or ``(shape, dtype)``.
         source_name: how to name the checkpoint, e.g. ``"lit-llama.pth"``.
-        hint: what the caller can do; appended once.
+        hint: what the caller can do; appended once, unless the reason is known (:func:`.mismatch.reason`:
+            another project's names, another model, an adapter-only checkpoint, another config), which replaces it.
+        configs: the model's and the checkpoint's configs, where known, to name the reason.
     """
     parts = []
     if match.missing:
@@ -234,41 +251,14 @@ def format_key_errors(
         parts.append(f"In '{source_name}', {shown}{_more(len(mismatched) - _SHOWN, 'shape mismatches')}.")
     if not parts:
         return None
-    other = other_naming(match.missing, match.unexpected)
-    if other is not None:
-        return " ".join([*parts, other])  # skipping or renaming by prefix would train from random weights
+    shapes = [
+        (_shape_dtype(model_infos[model_key])[0], _shape_dtype(source_infos[source_key])[0])
+        for model_key, source_key in mismatched
+    ]
+    why = mismatch.reason(match.missing, match.unexpected, shapes, configs)
+    if why is not None:
+        return " ".join([*parts, why])  # skipping or renaming would train from random weights
     rule = suggest_prefix_rule(match.missing, match.unexpected)
     if rule:
         hint = f"{hint} The names differ by a prefix: key_map={rule!r} would rename them."
     return " ".join([*parts, hint])
-
-
-# how each project names a Llama's layers; a checkpoint of one loaded into a model of the other matches nothing useful
-_NAMINGS = {
-    "litgpt": ("transformer.h.", "transformer.wte."),
-    "transformers": ("model.layers.", "model.embed_tokens."),
-}
-_CONVERT = {
-    ("litgpt", "transformers"): (
-        "convert it to litgpt's layout with `litgpt convert_to_litgpt` (its convert_hf_checkpoint), or build the"
-        " transformers model (AutoModelForCausalLM.from_config) instead"
-    ),
-    ("transformers", "litgpt"): (
-        "convert it with `litgpt convert_from_litgpt` (its convert_lit_checkpoint), or build litgpt's GPT instead"
-    ),
-}
-
-
-def other_naming(missing: list[str], unexpected: list[str]) -> str | None:
-    """When the model uses one project's names and the checkpoint the other's (litgpt vs transformers), what to do."""
-    for model_side, checkpoint_side in _CONVERT:
-        model_prefixes, checkpoint_prefixes = _NAMINGS[model_side], _NAMINGS[checkpoint_side]
-        if any(key.startswith(model_prefixes) for key in missing) and any(
-            key.startswith(checkpoint_prefixes) for key in unexpected
-        ):
-            return (
-                f"The model uses {model_side}'s parameter names and the checkpoint {checkpoint_side}'s (their q/k/v"
-                f" and MLP weights are also laid out differently, so no key_map fixes it, and strict=False would"
-                f" train from random weights): {_CONVERT[(model_side, checkpoint_side)]}."
-            )
-    return None

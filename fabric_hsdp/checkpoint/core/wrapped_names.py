@@ -29,6 +29,14 @@ class Wrapper:
     adapter_attributes: tuple[str, ...]  # children or parameters holding adapter tensors
 
 
+def user_module(module: nn.Module) -> nn.Module:
+    """The module the user built, inside the wrapper ``fabric.setup_module`` returns (whose names start with
+    ``_forward_module.``, so no name of it is the base checkpoint's)."""
+    from lightning.fabric.wrappers import _FabricModule
+
+    return module.module if isinstance(module, _FabricModule) else module
+
+
 def wrapper_of(module: nn.Module) -> Wrapper | None:
     """``module`` as a LoRA wrapper of a base layer, or ``None``. Only libraries already imported are looked at."""
     peft_tuners = sys.modules.get("peft.tuners.tuners_utils")
@@ -67,8 +75,10 @@ def base_model_prefix(module: nn.Module) -> str:
 def base_names(module: nn.Module) -> dict[str, str | None]:
     """Each state-dict key of ``module`` -> its name in the base model's checkpoint, or ``None`` for an adapter tensor.
 
-    Empty when ``module`` holds no LoRA wrapper (its names are the base model's).
+    Empty when ``module`` holds no LoRA wrapper (its names are the base model's). ``module`` may be the one
+    ``fabric.setup_module`` returned.
     """
+    module = user_module(module)
     wrappers = {name: wrapper for name, (_, wrapper) in wrappers_of(module).items()}
     if not wrappers:
         return {}
@@ -98,7 +108,8 @@ def _base_name(key: str, wrappers: dict[str, Wrapper], prefix: str) -> str | Non
 
 
 def adapter_keys(module: nn.Module) -> list[str]:
-    """The state-dict keys of ``module``'s adapter tensors, in model order (empty without LoRA wrappers)."""
+    """The state-dict keys of ``module``'s adapter tensors, in model order (empty without LoRA wrappers); ``module``
+    may be the one ``fabric.setup_module`` returned (the keys are then the user's model's)."""
     return [key for key, name in base_names(module).items() if name is None]
 
 

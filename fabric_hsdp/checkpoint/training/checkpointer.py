@@ -24,6 +24,7 @@ from fabric_hsdp.checkpoint.core.commit import check_writable
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
+from fabric_hsdp.checkpoint.core.wrapped_names import user_module
 from fabric_hsdp.checkpoint.training.background import BackgroundSaves
 from fabric_hsdp.checkpoint.training.full_gather import save_full
 from fabric_hsdp.checkpoint.training.raw_load import LoadResult, load_into_model, restore_extras, validate_load_mode
@@ -158,7 +159,7 @@ class Checkpointer:
         with held_row_order(), self._watchdog.watch(f"loading '{path}'"):
             result = load_into_model(
                 path,
-                getattr(module, "module", module),
+                user_module(module),
                 strict=strict,
                 key_map=key_map,
                 load_mode=validate_load_mode(load_mode or self.load_mode),

@@ -29,8 +29,9 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.boxes import global_box, pieces_of
 from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
-from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys, tied_names
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
+from fabric_hsdp.checkpoint.core.mismatch import Configs, checkpoint_config, model_config
 from fabric_hsdp.checkpoint.core.progress import Progress
 from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, fused_rows_of
 from fabric_hsdp.checkpoint.core.tree import read_lazy
@@ -103,16 +104,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def tied_names(module: nn.Module) -> dict[str, str]:
-    """Each state-dict key -> the first key naming the same tensor (tied weights, e.g. an embedding and the output).
-
-    ``state_dict()`` lists a shared tensor under every name; checkpoints (``save_pretrained``, safetensors) store it
-    under one.
-    """
-    first: dict[int, str] = {}
-    return {name: first.setdefault(id(tensor), name) for name, tensor in module.state_dict(keep_vars=True).items()}
-
-
 def match_source_keys(
     source: CheckpointSource,
     targets: dict[str, torch.Tensor],
@@ -120,11 +111,14 @@ def match_source_keys(
     strict: bool,
     tied: dict[str, str] | None = None,
     optional: set[str] | frozenset[str] = frozenset(),
+    configs: Configs | None = None,
 ) -> tuple[KeyMatch, list[str]]:
-    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``.
+    """Match checkpoint keys to the model's; raise one error listing every problem when ``strict``, or when no tensor
+    would be loaded at all (a load that changes nothing is never what was meant, ``strict=False`` or not).
 
     A model key is not missing when another name of the same tied tensor (``tied``) is loaded: that fills both, nor
-    when it is ``optional`` (a LoRA adapter, which a base checkpoint does not hold).
+    when it is ``optional`` (a LoRA adapter, which a base checkpoint does not hold). ``configs``: the model's and the
+    checkpoint's, to say why they differ (another model, another config, an adapter-only checkpoint).
     """
     source_keys = source.keys()
     match = match_keys(source_keys, targets, key_map)
@@ -139,11 +133,15 @@ def match_source_keys(
         for model_key, source_key in match.mapping.items()
         if tuple(source_infos[source_key].shape) != tuple(targets[model_key].shape)
     ]
-    if strict:
-        message = format_key_errors(match, model_infos, source_infos, source_name=str(source.path))
-        if message:
-            raise CheckpointError(message)
-    elif mismatched:
+    message = format_key_errors(match, model_infos, source_infos, source_name=str(source.path), configs=configs)
+    if strict and message:
+        raise CheckpointError(message)
+    if message and len(mismatched) == len(match.mapping):
+        raise CheckpointError(
+            f"No tensor of checkpoint '{source.path}' fits the model ({len(source_keys)} in the checkpoint,"
+            f" {len(targets)} in the model), so the load would change nothing. {message}"
+        )
+    if mismatched:
         message = format_key_errors(
             KeyMatch({k: match.mapping[k] for k in mismatched}, [], []),
             model_infos,
@@ -153,6 +151,16 @@ def match_source_keys(
         )
         warning_on_rank_zero(_logger, "%s", message)
     return match, mismatched
+
+
+def load_configs(path: Path, module: nn.Module | None) -> Configs:
+    """The model's config and the one saved with the checkpoint at ``path``, to name why they differ."""
+    saved = checkpoint_config(path)
+    return Configs(
+        model=None if module is None else model_config(module),
+        checkpoint=None if saved is None else saved[0],
+        checkpoint_file=None if saved is None else saved[1],
+    )
 
 
 @dataclass
@@ -180,7 +188,8 @@ class _Load:
             raise
 
     def match(self, source: CheckpointSource) -> tuple[KeyMatch, list[str]]:
-        return match_source_keys(source, self.targets, self.key_map, self.strict, self.tied, self.optional)
+        configs = load_configs(self.path, self.module)
+        return match_source_keys(source, self.targets, self.key_map, self.strict, self.tied, self.optional, configs)
 
 
 def load_into_model(

@@ -24,6 +24,7 @@ from fabric_hsdp.checkpoint.core import boxes, commit
 from fabric_hsdp.checkpoint.core.dcp_errors import first_failure, save_error
 from fabric_hsdp.checkpoint.core.dcp_planners import SafeLoadPlanner, SavePlanner
 from fabric_hsdp.checkpoint.core.keys import KeyMatch, format_key_errors
+from fabric_hsdp.checkpoint.core.mismatch import Configs, model_config
 from fabric_hsdp.checkpoint.core.progress import log_throughput
 from fabric_hsdp.checkpoint.formats.dcp_metadata import (
     META_FILE,
@@ -132,9 +133,8 @@ def load_sharded(
     for key, optimizer in optimizers.items():
         optimizer_state.allocate_from_metadata(model, optimizer, key, metadata)  # else DCP runs a zero step first
     tensors = checkpoint.tensors()
-    if strict:
-        with fail_together(f"matching the model to checkpoint '{path}'"):
-            _check_model_keys(path, metadata, model_key, tensors[model_key])
+    with fail_together(f"matching the model to checkpoint '{path}'"):
+        _check_model_keys(path, metadata, model_key, tensors[model_key], strict, model_config(model))
     if split_mesh is not None:
         targets, replaced, splits = replica_split.replica_parts(tensors, split_mesh, checkpoint.fused_rows)
     else:
@@ -157,9 +157,12 @@ def load_sharded(
     return meta
 
 
-def _check_model_keys(path: Path, metadata: Any, model_key: str, model_state: dict[str, Any]) -> None:
-    """Name both sides when the checkpoint holds another model: DCP would say only "Missing key in checkpoint
-    state_dict: model.model.embed_tokens.weight", with no path and no fix."""
+def _check_model_keys(
+    path: Path, metadata: Any, model_key: str, model_state: dict[str, Any], strict: bool, config: dict | None
+) -> None:
+    """Name both sides when the checkpoint holds another model (DCP would say only "Missing key in checkpoint
+    state_dict: model.model.embed_tokens.weight", with no path and no fix), and why; with ``strict=False`` only when
+    no tensor fits at all: that load would change nothing and return as if it had resumed."""
     prefix = f"{model_key}."
     stored = {
         key[len(prefix) :]: (tuple(entry.size), entry.properties.dtype)
@@ -172,16 +175,23 @@ def _check_model_keys(path: Path, metadata: Any, model_key: str, model_state: di
         missing=[key for key in model if key not in stored],
         unexpected=[key for key in stored if key not in model],
     )
+    fits = [key for key in match.mapping if tuple(model[key].shape) == stored[key][0]]
+    also = " or pass strict=False to load the tensors both have" if fits else ""
     message = format_key_errors(
         match,
         model,
         stored,
         source_name=str(path),
-        hint=f"Is it a checkpoint of this model (entry {model_key!r})? Resume from one, or pass strict=False to load"
-        " the tensors both have.",
+        hint=f"Is it a checkpoint of this model (entry {model_key!r})? Resume from one{also}.",
+        configs=Configs(model=config),
     )
-    if message is not None:
+    if message is not None and strict:
         raise CheckpointError(message)
+    if message is not None and not fits:
+        raise CheckpointError(
+            f"No tensor of entry {model_key!r} in checkpoint '{path}' fits the model ({len(stored)} in the checkpoint,"
+            f" {len(model)} in the model), so the load would change nothing. {message}"
+        )
 
 
 def find_sharded(path: Path, model_key: str, *, weights_only: bool) -> tuple[bool, Any]:

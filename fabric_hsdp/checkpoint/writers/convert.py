@@ -26,6 +26,7 @@ from fabric_hsdp.checkpoint.formats.conversions import hub_layout_for_config
 from fabric_hsdp.checkpoint.formats.dcp_directory import storage_files
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import TensorInfo
+from fabric_hsdp.checkpoint.writers.config_check import fused_experts, refuse_config_that_does_not_fit
 from fabric_hsdp.checkpoint.writers.dcp_writer import write_dcp
 from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
 from fabric_hsdp.units import format_binary_bytes, parse_bytes
@@ -221,7 +222,11 @@ def convert_checkpoint(
             _logger.info("key_map drops %d tensors, e.g. %r", len(dropped), dropped[0])
         # a transformers model whose checkpoints the hub holds in another layout (one tensor per expert): that one
         config = (given_config or _found_config(source)) if hf_directory else None
+        if config is not None:
+            refuse_config_that_does_not_fit(checkpoint, renamed, config)
         hub = hub_layout_for_config(checkpoint, renamed, config)
+        if hf_directory:
+            _say_layout(renamed, hub, config)
         tensors = {new: _cast(tensor, cast_to) for new, tensor in hub.items()} if hub else {}
         tensors = tensors or {new: _cast(lazy[old], cast_to) for new, old in renamed.items()}
         extras = {} if model_only else checkpoint.extras(lazy=True)
@@ -273,6 +278,25 @@ def convert_checkpoint(
         )
     _logger.info("%s", summary)
     return summary
+
+
+def _say_layout(names: dict[str, str], hub: dict[str, Any] | None, config: Path | None) -> None:
+    """Which layout a Hugging Face directory is written in: the hub's (by the config's ``model_type``), or the names
+    the tensors are stored with, which for transformers' fused experts is not what the hub or other tools read."""
+    if hub:
+        _logger.info("writing the hub's layout for '%s': %d tensors as %d", config, len(names), len(hub))
+        return
+    fused = fused_experts(list(names))
+    if config is None and fused:
+        _logger.warning(
+            "writing %d tensors under the names they are stored with: transformers' in-memory layout, with fused"
+            " experts (%r), not the hub's one tensor per expert that from_pretrained of other versions, vLLM and"
+            " other tools read. Pass hf_config= (CLI: --hf_config) the model's config.json to write the hub's layout.",
+            len(names),
+            fused[0],
+        )
+    else:
+        _logger.info("writing %d tensors under the names they are stored with", len(names))
 
 
 def _info_dict(info: TensorInfo) -> dict[str, Any]:
