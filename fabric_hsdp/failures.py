@@ -76,7 +76,7 @@ class PackageErrorHook:
             return
         rank = global_rank()
         if rank != 0 and _rank_zero_reported():
-            _tell_torchrun(error_line(error))  # the other nodes' torchrun summaries name the reason too
+            _tell_torchrun(error_line(error))  # the other nodes' torchrun summaries name the reason
             return
         line = error_line(error) if rank == 0 else error_line(error).replace(": error:", f": error on rank {rank}:", 1)
         sys.stderr.write(line + "\n")

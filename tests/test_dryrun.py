@@ -257,3 +257,26 @@ def test_a_tensor_parallel_save_of_litgpt_writes_this_ranks_shards_only(tmp_path
     # two moments, and DCP writes each once: this rank's share is at least 26 x 64 x 4 B x 3 / 2 below its local bytes
     # (counted on the FSDP mesh alone, the share was only 4,532 B below: measured)
     assert expected - save["expected_share"] >= 26 * 64 * 4 * 3 // 2, (save["expected_share"], expected)
+
+
+@pytest.mark.timeout(600)
+def test_an_adapter_only_save_dry_runs_as_adapter_only(tmp_path):
+    """#40: the dry run saved the whole model where the script's `fabric.save(filter=)` keeps the LoRA adapters."""
+    from fabric_hsdp.dryrun.train_script import __file__ as train_script
+
+    args = ["--model", "pythia-14m", "--lora_r", "4", "--shard_size", "world", "--precision", "32-true"]
+    args += ["--save", "ckpt", "--devices", "4", "--steps", "1"]
+    report = dry_run(train_script, args, num_nodes=1, devices_per_node=4, rank=1, max_steps=3, scratch=tmp_path / "s")
+    (save,) = report.saves
+    assert not save["by_dry_run"] and save["path"] == "ckpt"
+    from litgpt.lora import GPT, Config
+
+    fields = {"lora_r": 4, "lora_alpha": 8, "lora_query": True, "lora_key": True, "lora_value": True}
+    fields.update(lora_projection=True, lora_mlp=True)
+    with torch.device("meta"):
+        model = GPT(Config.from_name("pythia-14m", **fields))
+    adapters = sum(p.numel() * 4 for name, p in model.named_parameters() if "lora_" in name)
+    entries = 3 * sum("lora_" in name for name, _ in model.named_parameters())  # weight and AdamW's two moments
+    # this rank's quarter of the adapters and of their two AdamW moments, plus DCP's framing per entry (~1.8 KB)
+    assert 3 * adapters // 4 <= save["written"] < 3 * adapters // 4 + 3000 * entries, (save["written"], adapters)
+    assert save["written"] < report.local_parameter_bytes / 4  # the whole model's shards were 3x these bytes

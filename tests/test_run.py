@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fabric_hsdp.cli import main
-from tests.helpers.launch import free_port
+from tests.helpers.launch import REPO_ROOT, free_port
 
 # A user's script that knows nothing of fabric_hsdp: Fabric() takes accelerator, devices and strategy from the command.
 PLAIN_FABRIC_SCRIPT = """
@@ -125,6 +125,7 @@ model = fabric.setup_module(torch.nn.Linear(4, 4))  # no layers to shard: the pa
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_node_of_a_failed_job_ends_its_log_with_the_reason_in_one_line(tmp_path):
     """#44: node 0 printed the reason; node 1's shell showed torchrun's summary (a link to torch's docs in place of the
@@ -137,7 +138,8 @@ def test_every_node_of_a_failed_job_ends_its_log_with_the_reason_in_one_line(tmp
         command = [str(Path(sys.executable).with_name("fabric-hsdp")), "run", "--accelerator", "cpu", "--devices", "2"]
         command += ["--num-nodes", "2", "--node-rank", str(node_rank), "--main-address", "127.0.0.1"]
         command += ["--main-port", str(port), "--strategy", "hsdp", str(path)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        # this checkout's package in the launcher and its workers, whatever the venv's editable install points at
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO_ROOT))
         launches.append(subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True))
     logs = [process.communicate(timeout=200)[1] for process in launches]
     for node_rank, (process, log) in enumerate(zip(launches, logs)):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from fabric_hsdp.checkpoint.training.state import Filter
     from fabric_hsdp.topology import ParallelMesh
 
 
@@ -34,8 +35,11 @@ class SaveRecord:
     by_dry_run: bool = False
 
 
-def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Path, rank: int) -> SaveRecord:
-    """Write ``rank``'s part of the sharded checkpoint ``path`` of ``state`` under ``scratch``; return the record."""
+def save_this_rank(
+    strategy: Any, path: Path, state: dict[str, Any], scratch: Path, rank: int, filter: Filter | None = None
+) -> SaveRecord:
+    """Write ``rank``'s part of the sharded checkpoint ``path`` of ``state`` under ``scratch``; return the record.
+    ``filter``: the script's ``fabric.save(filter=)`` (an adapter-only save writes the adapters only, as it would)."""
     import torch.distributed.checkpoint as dcp
     from lightning.fabric.wrappers import _unwrap_objects
 
@@ -47,16 +51,16 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
 
     state = _unwrap_objects(state)
     if strategy._checkpoints.state_dict_type == "full" or path.suffix == ".safetensors":
-        return full_save_record(path, state, rank)
+        return full_save_record(path, state, rank, filter)
     checkpoint = CheckpointState(state)
     target = scratch / f"{path.name or 'checkpoint'}.rank{rank}"
     target.mkdir(parents=True, exist_ok=True)
     with held_row_order():  # as the strategy's save: the checkpoint code maps TP's regrouped rows shard by shard
-        tensors = checkpoint.tensors()
+        tensors = checkpoint.tensors(filter)
     share = _expected_share(tensors, strategy.parallel_mesh)
     stored, _ = checkpoint.stored(tensors)
     if rank == 0:  # rank 0 writes the plain values beside the shards
-        save_meta(checkpoint.plain_values(), target / META_FILE)
+        save_meta(checkpoint.plain_values(filter), target / META_FILE)
         share += (target / META_FILE).stat().st_size
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is, on purpose
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -73,14 +77,16 @@ def save_this_rank(strategy: Any, path: Path, state: dict[str, Any], scratch: Pa
     )
 
 
-def full_save_record(path: Path, state: dict[str, Any], rank: int) -> SaveRecord:
-    """A consolidated save: rank 0 would gather and write every tensor; nothing is written in a dry run."""
+def full_save_record(path: Path, state: dict[str, Any], rank: int, filter: Filter | None = None) -> SaveRecord:
+    """A consolidated save: rank 0 would gather and write every model tensor ``filter`` keeps; nothing is written in
+    a dry run."""
     from lightning.fabric.wrappers import _unwrap_objects
 
-    total = 0
-    for value in _unwrap_objects(state).values():
-        if isinstance(value, torch.nn.Module):
-            total += sum(p.numel() * p.element_size() for p in value.parameters())
+    from fabric_hsdp.checkpoint.training.state import CheckpointState
+
+    checkpoint = CheckpointState(_unwrap_objects(state))
+    model = checkpoint.tensors(filter)[checkpoint.model_key]  # DTensors: numel() counts the whole tensor
+    total = sum(tensor.numel() * tensor.element_size() for tensor in model.values() if isinstance(tensor, torch.Tensor))
     return SaveRecord(path=str(path), kind="full", expected_share=total if rank == 0 else 0)
 
 

@@ -190,7 +190,8 @@ class DryRunSession:
         strategy.wait_for_checkpoint()
         self._saving = True
         try:
-            self.saves.append(save_this_rank(strategy, Path(path), state, self.scratch, self.world.rank))
+            filter = kwargs.get("filter")  # Fabric passes save_checkpoint(path=, state=, filter=)
+            self.saves.append(save_this_rank(strategy, Path(path), state, self.scratch, self.world.rank, filter))
         finally:
             self._saving = False
         self.meter.end("save")

@@ -132,8 +132,12 @@ def main(argv: list[str] | None = None) -> None:
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    if args.save:
-        fabric.save(args.save, {"model": model, "optimizer": optimizer})
+    if args.save:  # with LoRA, adapter-only, as examples/finetune.py saves
+        from fabric_hsdp.adapters import adapter_keys
+
+        adapters = set(adapter_keys(model))
+        adapters_only = {"model": lambda name, value: name in adapters} if args.lora_r else None
+        fabric.save(args.save, {"model": model, "optimizer": optimizer}, filter=adapters_only)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ strict=False to skip them". Each checkpoint here is written by its library's own
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,8 @@ def adapter_only_into_the_full_model(num_nodes: int, devices: int, out: str) -> 
 
     lora = fabric.setup_module(get_peft_model(tiny_hf_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
     state = {"model": lora, "optimizer": one_step(lora), "step": 2}
-    fabric.save(Path(out) / "adapter", state, filter={"model": lambda name, _: "lora_" in name})
+    adapters_only = {"model": lambda name, _: "lora_" in name}
+    fabric.save(Path(out) / "adapter", state, filter=adapters_only)
     model = fabric.setup_module(tiny_hf_llama(seed=1))
     optimizer = one_step(model)
     before = full_state(model)
@@ -131,6 +133,19 @@ def adapter_only_into_the_full_model(num_nodes: int, devices: int, out: str) -> 
             said[case] = f"loaded: {changed} of {len(before)} tensors changed"
         except Exception as error:  # noqa: BLE001 - what the user sees is what the test checks
             said[case] = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    try:  # a filter that keeps nothing of the model: the model has no adapters
+        fabric.save(
+            Path(out) / "nothing", {"model": model, "step": 2}, filter={"model": lambda name, _: "lora_" in name}
+        )
+        said["save with a filter that keeps nothing"] = "saved"
+    except Exception as error:  # noqa: BLE001
+        said["save with a filter that keeps nothing"] = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    said["written"] = sorted(path.name for path in Path(out).iterdir())
+    # the adapter-only checkpoint into the LoRA model it was saved from: loaded, and the skipped base named once
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(Path(out) / "adapter", {"model": lora}, strict=False)
+    said["adapter-only into its LoRA model"] = [str(w.message) for w in caught if "Loaded" in str(w.message)]
     from fabric_hsdp.adapters import adapter_keys, base_names
 
     helpers = {"adapter_keys": adapter_keys(lora), "base_names": base_names(lora)}
@@ -138,10 +153,15 @@ def adapter_only_into_the_full_model(num_nodes: int, devices: int, out: str) -> 
     return {"loads": said, "helpers on Fabric's module": helpers, "helpers on the module inside": inside}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_adapter_only_checkpoint_into_the_full_model_fails_with_why_and_adapter_helpers_see_fabrics_module(tmp_path):
     scenario = "tests.checkpoint.test_mismatched_checkpoints:adapter_only_into_the_full_model"
     said = launch(scenario, {"out": str(tmp_path)}, num_nodes=1, timeout=200).check().values
+    said_on_rank = [values["loads"].pop("adapter-only into its LoRA model") for values in said]
+    assert said_on_rank[1] == [] and len(said_on_rank[0]) == 1, said_on_rank  # once, by rank 0
+    loaded = f"Loaded 8 of the model's 29 tensors from '{tmp_path / 'adapter'}' (strict=False): 21 not in it keep"
+    assert said_on_rank[0][0].startswith(loaded) and said_on_rank[0][0].endswith("'])."), said_on_rank
     assert said[0] == said[1]  # every rank fails alike
     helpers, inside = said[0]["helpers on Fabric's module"], said[0]["helpers on the module inside"]
     assert helpers == inside and len(helpers["adapter_keys"]) == 8, helpers  # r=4 A and B on q and v, 2 layers
@@ -149,6 +169,9 @@ def test_an_adapter_only_checkpoint_into_the_full_model_fails_with_why_and_adapt
         "model.layers.0.self_attn.q_proj.weight"
     )
     loads = said[0]["loads"]
+    assert loads.pop("written") == ["adapter"]  # nothing written at the path of the save refused
+    refused = loads.pop("save with a filter that keeps nothing")
+    assert refused.startswith("ValueError: fabric.save(filter={'model': ...}) keeps none of the model's"), refused
     for case, line in loads.items():
         assert line.startswith("CheckpointError: "), (case, line)
         assert "LoRA adapters only" in line and "get_peft_model" in line, (case, line)
@@ -214,3 +237,13 @@ def test_convert_refuses_a_config_of_another_model_and_says_which_layout_it_writ
     assert "writing the hub's layout" in caplog.text, caplog.text
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hub", output_loading_info=True)
     assert {key: value for key, value in info.items() if value} == {}, info
+
+
+def test_convert_refuses_a_key_map_that_drops_every_tensor(tmp_path):
+    """It wrote an output of 0 tensors and said "converted 0 tensors"."""
+    from fabric_hsdp.checkpoint import convert_checkpoint
+
+    torch.save(tiny_litgpt().state_dict(), tmp_path / "lit_model.pth")
+    with pytest.raises(ValueError, match=r"key_map=\['!transformer\.', '!lm_head\.'\] drops all 17 model tensors"):
+        convert_checkpoint(tmp_path / "lit_model.pth", tmp_path / "out.pth", key_map=["!transformer.", "!lm_head."])
+    assert not (tmp_path / "out.pth").exists()

@@ -520,8 +520,8 @@ PLANTS: dict[str, Plant] = {
         "no key check before DCP's load: torch's bare 'Missing key in checkpoint state_dict'",
         (
             (
-                "            _check_model_keys(path, metadata, model_key, tensors[model_key])\n",
-                "            pass\n",
+                "_check_model_keys(path, metadata, model_key, tensors[model_key], strict, model_config(model))",
+                "None",
             ),
         ),
         ("tests/checkpoint/test_save_load.py::test_resuming_another_models_checkpoint_names_both_sides",),
@@ -1033,5 +1033,156 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         ("tests/test_run.py::test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so",),
+    ),
+    "44a": Plant(
+        "a raw load that fits no tensor fails, strict or not (#44)",
+        "the zero-overlap check is gone: strict=False of a peft adapter file into the base model loads nothing",
+        (
+            (
+                "    if message and len(mismatched) == len(match.mapping):\n",
+                "    if False:\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_a_peft_adapter_file_into_the_base_model_is_named_adapter_only_and_loads_nothing_even_if_not_strict",
+        ),
+    ),
+    "44b": Plant(
+        "a sharded load that fits no tensor fails, strict or not (#44)",
+        "the zero-overlap check is gone: an adapter-only checkpoint loads into the full model with strict=False",
+        (
+            (
+                "    if message is not None and not fits:\n",
+                "    if False:\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_an_adapter_only_checkpoint_into_the_full_model_fails_with_why_and_adapter_helpers_see_fabrics_module",
+        ),
+    ),
+    "44c": Plant(
+        "an adapter-only checkpoint is named as one (#44)",
+        "adapter names are not recognised: the generic 'Pass strict=False' hint comes back",
+        (
+            (
+                '    return any(part in _ADAPTER_PARTS for part in key.split("."))\n',
+                "    return False\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_a_peft_adapter_file_into_the_base_model_is_named_adapter_only_and_loads_nothing_even_if_not_strict",
+        ),
+    ),
+    "44d": Plant(
+        "another model's checkpoint is named by model_type (#44)",
+        "the checkpoint's config.json is never found",
+        (
+            (
+                '    for name in ("config.json", "model_config.yaml"):\n',
+                "    for name in ():\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_another_models_hub_directory_is_named_as_another_model",
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_another_moe_familys_hub_directory_is_named_as_another_model",
+        ),
+    ),
+    "44e": Plant(
+        "a config that differs names its field (#44)",
+        "integer fields are not compared: the vocab_size of the checkpoint's config is never named",
+        (
+            (
+                '        if name == "tie_word_embeddings" or (type(value) is int and type(saved[name]) is int):\n',
+                '        if name == "tie_word_embeddings":\n',
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_a_checkpoint_of_another_vocabulary_size_names_the_config_field",
+        ),
+    ),
+    "44f": Plant(
+        "convert refuses a config whose model lacks the checkpoint's tensors (#44)",
+        "the config is not checked: OLMoE exported with Mistral's config",
+        (
+            (
+                "            refuse_config_that_does_not_fit(checkpoint, renamed, config)\n",
+                "            pass\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_convert_refuses_a_config_of_another_model_and_says_which_layout_it_writes",
+        ),
+    ),
+    "44g": Plant(
+        "adapter helpers see the module Fabric returns (#44)",
+        "Fabric's wrapper is not unwrapped: adapter_keys of the set-up model is []",
+        (
+            (
+                "    return module.module if isinstance(module, _FabricModule) else module\n",
+                "    return module\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_an_adapter_only_checkpoint_into_the_full_model_fails_with_why_and_adapter_helpers_see_fabrics_module",
+        ),
+    ),
+    "44h": Plant(
+        "every node's log ends with the reason (#44)",
+        "ranks other than 0 write no error file: node 1's torchrun has no reason to give",
+        (
+            (
+                "            _tell_torchrun(error_line(error))  # the other nodes' torchrun summaries name the reason",
+                "            pass  # planted",
+            ),
+        ),
+        ("tests/test_run.py::test_every_node_of_a_failed_job_ends_its_log_with_the_reason_in_one_line",),
+    ),
+    "44i": Plant(
+        "a save whose filter keeps no tensor of the model fails before writing (#44)",
+        "the check is gone: a checkpoint without the model is written",
+        (
+            (
+                "        if self.model_key not in kept:\n",
+                "        if False:\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_an_adapter_only_checkpoint_into_the_full_model_fails_with_why_and_adapter_helpers_see_fabrics_module",
+        ),
+    ),
+    "44j": Plant(
+        "a sharded load with strict=False says what it left (#44)",
+        "the skipped tensors are not said",
+        (
+            (
+                "    if match.missing or match.unexpected:  # strict=False, as the raw loads say it\n",
+                "    if False:\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_mismatched_checkpoints.py::test_an_adapter_only_checkpoint_into_the_full_model_fails_with_why_and_adapter_helpers_see_fabrics_module",
+        ),
+    ),
+    "44k": Plant(
+        "convert refuses a key map that drops every tensor (#44)",
+        "the check is gone: an output of 0 tensors is written",
+        (
+            (
+                "        if dropped and not renamed:\n",
+                "        if False:\n",
+            ),
+        ),
+        ("tests/checkpoint/test_mismatched_checkpoints.py::test_convert_refuses_a_key_map_that_drops_every_tensor",),
+    ),
+    "40a": Plant(
+        "a filtered save dry-runs as filtered (#40 item 2)",
+        "the dry run drops the script's filter: an adapter-only LoRA save is dry-run as a whole-model save",
+        (
+            (
+                'filter = kwargs.get("filter")  # Fabric passes save_checkpoint(path=, state=, filter=)',
+                "filter = None",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_an_adapter_only_save_dry_runs_as_adapter_only",),
     ),
 }

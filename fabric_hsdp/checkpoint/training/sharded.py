@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.load import _move_state_into
 
 from fabric_hsdp.agreement import fail_together
@@ -55,10 +56,10 @@ def save_sharded(
     name}`` for an adapter-only checkpoint.
     """
     checkpoint = CheckpointState(state)
+    tensors, _ = checkpoint.stored(checkpoint.tensors(filter))  # a filter that keeps no tensor fails before any file
     save = commit.PendingSave(path, broadcast, dist.get_rank())
     with fail_together(f"preparing to save checkpoint '{path}'"):
         save.create(lambda directory: save_meta(checkpoint.plain_values(filter), directory / META_FILE))
-    tensors, _ = checkpoint.stored(checkpoint.tensors(filter))
     try:
         with fail_together(f"checking that every rank sees the pending directory of checkpoint '{path}'"):
             save.check_shared(META_FILE)
@@ -191,6 +192,13 @@ def _check_model_keys(
         raise CheckpointError(
             f"No tensor of entry {model_key!r} in checkpoint '{path}' fits the model ({len(stored)} in the checkpoint,"
             f" {len(model)} in the model), so the load would change nothing. {message}"
+        )
+    if match.missing or match.unexpected:  # strict=False, as the raw loads say it
+        unused = f"; {len(match.unexpected)} of it are not the model's (e.g. {match.unexpected[:3]})"
+        rank_zero_warn(
+            f"Loaded {len(fits)} of the model's {len(model)} tensors from '{path}' (strict=False):"
+            f" {len(match.missing)} not in it keep their values (e.g. {match.missing[:3]})"
+            f"{unused if match.unexpected else ''}."
         )
 
 

@@ -64,7 +64,15 @@ class CheckpointState:
         tensors: dict[str, Any] = {self.model_key: get_model_state_dict(self.model)}
         for key, optimizer in self.optimizers.items():
             tensors[key] = get_optimizer_state_dict(self.model, optimizer)
-        return apply_filter(tensors, filter)
+        kept = apply_filter(tensors, filter)
+        if self.model_key not in kept:
+            names = list(tensors[self.model_key])
+            raise ValueError(
+                f"fabric.save(filter={{{self.model_key!r}: ...}}) keeps none of the model's {len(names)} tensors"
+                f" (named like {names[0]!r}), so the checkpoint would hold no model. Check the filter's condition: it"
+                " is called with each such name and its tensor, and keeps those it returns True for."
+            )
+        return kept
 
     def stored(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], list[boxes.Replaced]]:
         """``tensors`` (from :meth:`tensors`) with regrouped rows presented in the model's own order, as

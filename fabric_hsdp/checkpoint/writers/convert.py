@@ -218,6 +218,11 @@ def convert_checkpoint(
     with open_checkpoint(source, weights_only=weights_only) as checkpoint:
         lazy = checkpoint.lazy_tensors()
         renamed, dropped = apply_key_map(checkpoint.keys(), key_map)
+        if dropped and not renamed:
+            raise ValueError(
+                f"key_map={key_map!r} drops all {len(dropped)} model tensors of '{source}' (e.g. {dropped[0]!r}), so"
+                " the output would hold none; drop only what should go (rules: 'OLD=NEW', 'OLD=', '!OLD')"
+            )
         if dropped:
             _logger.info("key_map drops %d tensors, e.g. %r", len(dropped), dropped[0])
         # a transformers model whose checkpoints the hub holds in another layout (one tensor per expert): that one
