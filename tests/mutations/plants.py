@@ -444,9 +444,8 @@ PLANTS: dict[str, Plant] = {
         "a buffer allocated per chunk (on CUDA: a pinned block each, rounded up by the caching host allocator)",
         (
             (
-                "                key: block[offsets[key] : offsets[key] + shape.numel() * dtype.itemsize]"
-                ".view(dtype).view(shape)\n",
-                "                key: torch.empty(shape, dtype=dtype)\n",
+                "                self._buffers[key] = own_storage(memory, dtype, shape)\n",
+                "                self._buffers[key] = torch.empty(shape, dtype=dtype)\n",
             ),
         ),
         ("tests/checkpoint/test_staging.py::test_staged_chunks_share_one_block_of_their_exact_size_kept_across_saves",),
@@ -1033,5 +1032,34 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         ("tests/test_run.py::test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so",),
+    ),
+    "46a": Plant(
+        "an async save holds at most 1/R of the rank's state in host memory, measured by the process (#46 item 0)",
+        "the staged chunks handed to DCP as views of the whole staging block: DCP's writer clones every one and keeps"
+        " the clones until the file is closed (1.0x of the state at R = 2)",
+        (
+            (
+                "    return torch.from_numpy(flat.numpy()).view(dtype).view(shape)",
+                "    return memory.view(dtype).view(shape)",
+            ),
+        ),
+        ("tests/checkpoint/test_staging.py::test_an_async_save_holds_at_most_its_share_of_the_state_in_host_memory",),
+    ),
+    "46b": Plant(
+        "each staged piece of a TP-regrouped chunk is written from the block without a copy (#46 item 0)",
+        "a piece handed to DCP as a row range of its chunk's buffer: DCP's writer clones it",
+        (("        return own_storage(rows, rows.dtype, rows.shape)\n", "        return rows\n"),),
+        ("tests/checkpoint/test_staging.py::test_each_staged_piece_is_written_from_the_block_without_a_copy",),
+    ),
+    "46c": Plant(
+        "each staged chunk's buffer has a storage of its own bytes in the one block (#46 item 0)",
+        "a plain tensor's buffer (e.g. a 0-d entry) is a view of the whole block: DCP's writer clones it",
+        (
+            (
+                "                self._buffers[key] = own_storage(memory, dtype, shape)\n",
+                "                self._buffers[key] = memory.view(dtype).view(shape)\n",
+            ),
+        ),
+        ("tests/checkpoint/test_staging.py::test_staged_chunks_share_one_block_of_their_exact_size_kept_across_saves",),
     ),
 }
