@@ -1062,4 +1062,21 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/checkpoint/test_staging.py::test_staged_chunks_share_one_block_of_their_exact_size_kept_across_saves",),
     ),
+    "46d": Plant(
+        "a module that skips itself at collection fails under make test / CI (#46 item 5)",
+        "collection reports are left alone: a module-level skip passes under FABRIC_HSDP_NO_SKIPS=1",
+        (("    if report.skipped and skips_are_failures():\n", "    if False:\n"),),
+        ("tests/test_helpers.py::test_a_module_that_skips_itself_at_collection_fails_under_make_test",),
+    ),
+    "46e": Plant(
+        "a hung test ends, named, when the session's time is up (#46 item 5)",
+        "each test keeps its own timeout: a hang holds the run past --session-timeout, checked only between tests",
+        (
+            (
+                "    if _session_deadline is not None and (deadline is None or _session_deadline < deadline):\n",
+                "    if False:\n",
+            ),
+        ),
+        ("tests/test_helpers.py::test_a_hung_test_is_ended_with_its_name_when_the_sessions_time_is_up",),
+    ),
 }
