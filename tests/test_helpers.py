@@ -1,6 +1,7 @@
-"""The test launcher's own rules and the suite's (no ranks are launched here; the suite's rules run a small pytest)."""
+"""The test launcher's own rules and the suite's (the suite's rules are run in a small pytest of their own)."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -66,3 +67,25 @@ def test_a_hung_test_is_ended_with_its_name_when_the_sessions_time_is_up(tmp_pat
     assert "FAILED test_hang.py::test_hangs - Failed: Timeout" in result.stdout, result.stdout
     assert "session-timeout: 5.0 sec exceeded" in result.stdout, result.stdout
     assert "1 failed in" in result.stdout and "passed" not in result.stdout, result.stdout  # test_after never ran
+
+
+def rendezvous_port(num_nodes: int, devices: int) -> int:
+    """A rank that joins the job's process group and reports the port it met the others at."""
+    from tests.helpers.training import make_fabric
+
+    make_fabric(num_nodes, devices)
+    return int(os.environ["MASTER_PORT"])
+
+
+def test_a_launch_whose_port_another_process_took_starts_again_on_another(monkeypatch):
+    """#46 item 5: ``free_port()`` releases the port it found before rank 0 binds it, so another job on the machine
+    can take it in between (rank 0 then fails with EADDRINUSE and the others wait for its store). The launch starts
+    its ranks again on another port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))  # what another process did right after free_port() answered
+        lost = taken.getsockname()[1]
+        answers, real = iter([lost]), launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(answers, None) or real())
+        result = launch.launch("tests.test_helpers:rendezvous_port", num_nodes=1, ranks_per_node=2, timeout=120)
+    ports = result.check().values
+    assert ports[0] == ports[1] != lost, (ports, lost)

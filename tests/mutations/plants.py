@@ -1079,4 +1079,10 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_helpers.py::test_a_hung_test_is_ended_with_its_name_when_the_sessions_time_is_up",),
     ),
+    "46f": Plant(
+        "a launch whose port another process took after free_port() starts again on another (#46 item 5)",
+        "no new attempt: rank 0 fails with EADDRINUSE and the launch fails",
+        (("        if not _lost_the_port(result, port):\n", "        if True:\n"),),
+        ("tests/test_helpers.py::test_a_launch_whose_port_another_process_took_starts_again_on_another",),
+    ),
 }
