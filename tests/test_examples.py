@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.launch import REPO_ROOT, free_port, launch
+from tests.helpers.launch import REPO_ROOT, launch
 
 sys.path.insert(0, str(REPO_ROOT))
 from examples.finetune import detect_format, export_model, layout_line, load_tokenizer, read_documents  # noqa: E402
@@ -66,8 +66,10 @@ def _run(command: list[str], timeout: float = 240) -> str:
 
 
 def _torchrun(out_dir: Path, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
-    return _run([*command, str(free_port()), str(TRAIN), "--out_dir", str(out_dir), *args])
+    # --standalone: torchrun's own store binds a port the OS picks and holds it (a port from free_port() could be
+    # taken by another job before torchrun binds it)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return _run([*command, str(TRAIN), "--out_dir", str(out_dir), *args])
 
 
 def _loss_at(step: int, output: str) -> str:

@@ -185,7 +185,8 @@ def test_salloc_mpirun_then_interactive_srun_then_torchrun_resume_each_other(slu
     assert "SLURM_JOB_NAME=interactive is a salloc shell's, but srun started this step" in log
     check_completed(slurm_cluster, slurm_cluster.job(reports[0]["variables"]["SLURM_JOB_ID"]), log)
 
-    # torchrun.sh once per node (the seed user's two launches, c10d rendezvous at n1); node ranks by arrival
+    # torchrun.sh once per node (the seed user's two launches, c10d rendezvous at n1); node ranks by arrival. Port
+    # 29400 is n1's in the cluster's network namespace: nothing outside it can hold it
     rendezvous = dict(RDZV_HOST="n1", RDZV_PORT="29400", NNODES="2", GPUS_PER_NODE="2", JOB_ID=f"hsdp-{os.getpid()}")
     log = run("srun", "--nodes=2", "--ntasks-per-node=1", "bash", str(LAUNCH / "torchrun.sh"), name="torchrun",
               steps=6, extra_env=rendezvous)  # fmt: skip

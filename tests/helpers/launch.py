@@ -220,14 +220,49 @@ def launch(
     The environment is what Lightning's launchers set: ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``,
     ``LOCAL_RANK``, ``WORLD_SIZE`` (so Fabric picks ``LightningEnvironment`` and the processes are created externally).
     The scenario receives the JSON ``args`` plus ``num_nodes`` and ``devices``.
+
+    ``MASTER_PORT`` is one the OS reported free, which another process may take before rank 0 binds it (other jobs
+    on the machine launch too): when rank 0 then fails with ``EADDRINUSE`` on it, before any rank has run the
+    scenario, the ranks are ended and started again on another port, up to ``PORT_ATTEMPTS`` times in all.
     """
     _start_server()
     timeout = _budget(timeout)
-    world_size = num_nodes * ranks_per_node
-    port = free_port()
     workdir = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hsdp-launch-"))
     workdir.mkdir(parents=True, exist_ok=True)
     call_args = dict(args or {}, num_nodes=num_nodes, devices=ranks_per_node)
+    deadline = time.monotonic() + timeout
+    for _ in range(PORT_ATTEMPTS):
+        port = free_port()
+        result = _run_ranks(scenario, call_args, num_nodes, ranks_per_node, port, deadline, fail_grace, env, workdir)
+        if not _lost_the_port(result, port):
+            break
+    if out_dir is None:
+        shutil.rmtree(workdir, ignore_errors=True)  # everything it held is in `result` now
+    return result
+
+
+PORT_ATTEMPTS = 3
+
+
+def _lost_the_port(result: LaunchResult, port: int) -> bool:
+    """Whether rank 0 could not bind ``port`` for the job's store (another process took it after free_port())."""
+    rank0 = result.ranks[0]
+    return rank0.returncode not in (0, None) and f"port: {port}," in rank0.stderr and "EADDRINUSE" in rank0.stderr
+
+
+def _run_ranks(
+    scenario: str,
+    call_args: dict[str, Any],
+    num_nodes: int,
+    ranks_per_node: int,
+    port: int,
+    deadline: float,
+    fail_grace: float,
+    env: dict[str, str] | None,
+    workdir: Path,
+) -> LaunchResult:
+    """Start every rank with ``MASTER_PORT=port`` and wait for them (see :func:`launch`)."""
+    world_size = num_nodes * ranks_per_node
     processes = []
     start = time.monotonic()
     for node_rank in range(num_nodes):
@@ -252,7 +287,6 @@ def launch(
             processes.append((global_rank, process, stdout, stderr, out_file))
 
     timed_out = False
-    deadline = start + timeout
     first_failure: float | None = None
     while True:
         codes = [p.poll() for _, p, *_ in processes]
@@ -261,6 +295,8 @@ def launch(
         now = time.monotonic()
         if first_failure is None and any(code not in (None, 0) for code in codes):
             first_failure = now
+            if codes[0] not in (None, 0) and "EADDRINUSE" in _read(processes[0][3]):
+                fail_grace = 0.0  # rank 0 lost the port: the others wait for a store that is not there
         if now > deadline or (first_failure is not None and now - first_failure > fail_grace):
             timed_out = now > deadline
             for _, process, *_ in processes:
@@ -275,6 +311,4 @@ def launch(
     for global_rank, process, stdout, stderr, out_file in processes:
         value = torch.load(out_file, weights_only=False) if out_file.exists() else None
         result.ranks.append(RankResult(global_rank, process.returncode, _read(stdout), _read(stderr), value))
-    if out_dir is None:
-        shutil.rmtree(workdir, ignore_errors=True)  # everything it held is in `result` now
     return result

@@ -256,6 +256,8 @@ class SlurmCluster:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def _slurm_conf(self) -> str:
+        # fixed ports (6817, 6818+) are safe: the daemons listen in the cluster's own network namespace, so another
+        # cluster or job on the machine cannot hold them
         path = self.directory
         nodes = "\n".join(
             f"NodeName={node} NodeAddr=127.0.0.1 Port={6818 + index} CPUs={CPUS_PER_NODE} State=UNKNOWN"

@@ -49,18 +49,15 @@ def test_auto_plans_cover_transformers_litgpt_and_the_example():
         auto_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-def test_an_uneven_split_by_any_plan_is_refused(monkeypatch):
+def test_an_uneven_split_by_any_plan_is_refused():
     """What a plan (a callable one too, which is not checked before it runs) split is checked after it ran."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from fabric_hsdp.tensor_parallel import _check_even_splits, apply_tensor_parallel
-    from tests.helpers.launch import free_port
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port to race for
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
         plan = lambda module, tensor_mesh: parallelize_module(module, tensor_mesh, {"1": ColwiseParallel()})  # noqa
@@ -124,20 +121,17 @@ def test_fused_rows_state_dict_shows_the_stored_order_and_loads_it():
     assert module.weight.flatten().tolist() == [10, 11, 14, 16, 12, 13, 15, 17]
 
 
-def test_tied_weights_split_differently_are_refused(monkeypatch):
+def test_tied_weights_split_differently_are_refused():
     """The example model with its head tied to the embedding; a plan splitting only the head would untie them."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from fabric_hsdp.tensor_parallel import apply_tensor_parallel
     from fabric_hsdp.tensor_parallel.tied import tied_groups
-    from tests.helpers.launch import free_port
 
     assert tied_groups(build("hf-tied")) == [("model.embed_tokens.weight", "lm_head.weight")]
     assert tied_groups(build("hf")) == []
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port to race for
     try:
         model = build("llama-tied")
         apply_tensor_parallel(model, "auto", init_device_mesh("cpu", (1,)))  # both split by rows: kept tied

@@ -12,15 +12,18 @@ costs a page fault per 4 KiB. :class:`Stager` instead
    pinned block per tensor from the caching host allocator, which rounds each up to a power of two and keeps it), and
    presents them to DCP as :class:`~fabric_hsdp.checkpoint.core.boxes.StoredBoxes` (the boxes of the stored tensors
    they hold), leaving out everything this rank does not write. DCP's planning inside the write then finds each
-   chunk on one rank only, so the checkpoint is the same as a blocking save's;
+   chunk on one rank only, so the checkpoint is the same as a blocking save's. Each chunk (and each piece of one)
+   reaches DCP as a tensor whose storage is its own bytes of the block (:func:`own_storage`): DCP's writer clones a
+   tensor whose storage is larger and keeps the clones until the file is closed;
 3. on CUDA, issues the copies on a side stream, each after the compute stream's work so far, non-blocking, straight
    from views of the live shards into their rows of the buffer (no temporary made on the compute stream); the compute
    stream waits for them only before the next optimizer step, the first in-place update of what they read (as
    torchtitan waits for staging before ``optimizers.step()``), so the next forward and backward overlap them; the
    writing thread sets the rank's device and synchronises on the copies' event before it reads the buffers.
 
-Extra host memory during a background save is then about ``1/R`` of the rank's state (plus small non-tensor
-entries), and ``fabric.save`` returns once the copies are issued.
+Extra host memory during a background save is then about ``1/R`` of the rank's state (plus the file writer's two
+16 MiB buffers and small non-tensor entries; the process's peak, measured from before the first save: 0.52 of the
+state at R = 2, ``tests/checkpoint/test_staging.py``), and ``fabric.save`` returns once the copies are issued.
 """
 
 from __future__ import annotations
@@ -108,10 +111,10 @@ class Stager:
             if layout.pinned:
                 _register(block)
             self._block, self._block_registered, self._layout = block, layout.pinned, layout.chunks
-            self._buffers = {
-                key: block[offsets[key] : offsets[key] + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-                for key, (shape, dtype) in layout.chunks.items()
-            }
+            self._buffers = {}
+            for key, (shape, dtype) in layout.chunks.items():
+                memory = block[offsets[key] : offsets[key] + shape.numel() * dtype.itemsize]
+                self._buffers[key] = own_storage(memory, dtype, shape)
         return self._buffers
 
     def wait_before_next_step(self, event: Any) -> None:
@@ -193,10 +196,33 @@ class _Chunks:
         # each piece straight into its rows of the buffer: a joined temporary (torch.cat) would be made on the
         # compute stream after the copy stream's wait, and the copy could read it before it is written
         sources = [local.detach()[piece.start : piece.stop] for piece in mine]
-        return StoredBoxes(self._copy(key, sources, (rows, *local.shape[1:])), size, kept)
+        return _StagedBoxes(self._copy(key, sources, (rows, *local.shape[1:])), size, kept)
 
     def _copy(self, key: tuple, sources: torch.Tensor | list[torch.Tensor], shape: Any = None) -> torch.Tensor:
         raise NotImplementedError
+
+
+class _StagedBoxes(StoredBoxes):
+    """Staged boxes whose pieces DCP's writer takes as they are: each piece a tensor with a storage of its own bytes
+    (of the same memory), like every chunk's buffer (see :func:`own_storage`)."""
+
+    def _rows(self, piece: Piece) -> torch.Tensor:
+        rows = super()._rows(piece)
+        if rows.nbytes == rows.untyped_storage().nbytes():
+            return rows
+        return own_storage(rows, rows.dtype, rows.shape)
+
+
+def own_storage(memory: torch.Tensor, dtype: torch.dtype, shape: Any) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over the bytes of ``memory`` (a contiguous CPU tensor), whose storage is
+    exactly those bytes, not the whole block they are part of; it keeps the block alive.
+
+    DCP's file writer clones every CPU tensor whose storage is larger than the tensor (torch.save would write the
+    whole storage) and keeps the clones until the rank's file is closed: views of one block would sit in host memory
+    twice (#46: 1.0x of a rank's state at R = 2 instead of 0.5x).
+    """
+    flat = memory.reshape(-1).view(torch.uint8)
+    return torch.from_numpy(flat.numpy()).view(dtype).view(shape)  # numpy's view holds ``memory``'s storage
 
 
 class _Shapes(_Chunks):
