@@ -55,9 +55,12 @@ setup-test: $(VENV)/.test-extras
 main: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python examples/main_job.py
 
+# The planted bugs (tests/mutations/plants.py) must each still apply to the code: a plant whose snippet moved away
+# would silently guard nothing.
 lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tests/mutations/run.py --check
 
 # --durations: the slowest tests and the total are printed, so the next person sees where the time goes.
 # FABRIC_HSDP_NO_SKIPS=1: a skipped test fails (tests/conftest.py): all the README promises must have run.

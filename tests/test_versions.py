@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from unittest import mock
 
+import pytest
 import torch
 
 from fabric_hsdp import versions
@@ -84,6 +86,24 @@ def test_the_dry_runs_plan_validator_passes_a_plan_torchs_own_refuses():
 
     assert not passes(default_planner._validate_global_plan(plans, metadata))  # half the tensor: refused
     assert passes(versions.passing_plan_validator()(plans, metadata))
+    # and DCP's own planner, which reads the answer in this release's form, takes the plan with the stand-in
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    half = WriteItem(
+        index=MetadataIndex("w", torch.Size([0])),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=chunk, properties=tensor.properties, size=torch.Size([4])),
+    )
+    with pytest.raises(ValueError, match="Failed to validate global plan"):
+        default_planner.DefaultSavePlanner().create_global_plan(
+            [SavePlan([half], planner_data={}), SavePlan([], planner_data={})]
+        )
+    with mock.patch.object(default_planner, "_validate_global_plan", versions.passing_plan_validator()):
+        _, saved = default_planner.DefaultSavePlanner().create_global_plan(
+            [SavePlan([half], planner_data={}), SavePlan([], planner_data={})]
+        )
+    assert list(saved.state_dict_metadata) == ["w"]
 
 
 def _private(name: str) -> bool:

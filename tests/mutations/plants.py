@@ -17,6 +17,7 @@ class Plant:
     edits: tuple[tuple[str, str], ...]
     tests: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()  # set for the test run
+    expect: str = ""  # text the test run's output must hold for "caught" (the failure the plant is for)
 
 
 PLANTS: dict[str, Plant] = {
@@ -1235,5 +1236,125 @@ PLANTS: dict[str, Plant] = {
         "no new attempt: rank 0 fails with EADDRINUSE and the launch fails",
         (("        if not _lost_the_port(result, port):\n", "        if True:\n"),),
         ("tests/test_helpers.py::test_a_launch_whose_port_another_process_took_starts_again_on_another",),
+    ),
+    "46v1": Plant(
+        "the dry run's plan validator answers what torch's own answers for a valid plan (#46 item 3)",
+        "the stand-in answers True, the answer of torch < 2.13: torch >= 2.13 reads it as a list of errors",
+        (
+            (
+                "    return lambda *args, **kwargs: valid\n",
+                "    return lambda *args, **kwargs: True\n",
+            ),
+        ),
+        ("tests/test_versions.py::test_the_dry_runs_plan_validator_passes_a_plan_torchs_own_refuses",),
+        expect="test_the_dry_runs_plan_validator_passes_a_plan_torchs_own_refuses",
+    ),
+    "46v2": Plant(
+        "a storage's byte size from a meta load, on every release (#46 item 3)",
+        "always divided by the element size (torch 2.8's correction applied on releases that need none)",
+        (
+            (
+                "    return nbytes if _meta_load_sets_offsets() else nbytes // tensor.element_size()\n",
+                "    return nbytes // tensor.element_size()\n",
+            ),
+        ),
+        ("tests/checkpoint/test_sources.py::test_read_slice_reads_only_the_box",),
+        expect="test_read_slice_reads_only_the_box",
+    ),
+    "46o1": Plant(
+        "a rank's mesh coordinates: tensor-parallel peers are consecutive ranks (#46 item 3)",
+        "shard and tensor coordinates swapped",
+        (
+            (
+                "        return (replica, *divmod(position, self.tensor_parallel_size))\n",
+                "        return (replica, *reversed(divmod(position, self.tensor_parallel_size)))\n",
+            ),
+        ),
+        ("tests/test_topology.py::test_tensor_parallel_peers_are_consecutive_ranks_of_one_node",),
+        expect="assert [topology.coordinates(rank) for rank in range(8)] ==",
+    ),
+    "46k1": Plant(
+        "key_map prefix rules: the longest prefix wins (#46 item 3)",
+        "the shortest prefix wins",
+        (
+            (
+                "        rules = sorted(spec.items(), key=lambda rule: len(rule[0]), reverse=True)\n",
+                "        rules = sorted(spec.items(), key=lambda rule: len(rule[0]))\n",
+            ),
+        ),
+        ("tests/checkpoint/test_keys.py::test_make_key_map_specs",),
+        expect="test_make_key_map_specs",
+    ),
+    "46k2": Plant(
+        "wrapper prefixes are stripped only when unambiguous (#46 item 3)",
+        "an ambiguous name is paired with the first checkpoint key that strips to it",
+        (
+            (
+                "            if len(keys) == 1 and len(by_name.get(name, ())) == 1:\n",
+                "            if len(keys) == 1 and by_name.get(name):\n",
+            ),
+        ),
+        ("tests/checkpoint/test_keys.py::test_wrapper_stripping_is_skipped_when_ambiguous",),
+        expect="test_wrapper_stripping_is_skipped_when_ambiguous",
+    ),
+    "46f1": Plant(
+        "an output that fails is not left behind (#46 item 3)",
+        "the pending sibling of a failed atomic output stays on disk",
+        (
+            (
+                "    finally:\n        remove_path(pending)\n",
+                "    finally:\n        pass\n",
+            ),
+        ),
+        ("tests/checkpoint/test_writers.py::test_atomic_output_removes_everything_on_failure",),
+        expect="test_atomic_output_removes_everything_on_failure",
+    ),
+    "46r1": Plant(
+        "the format readers read exactly the box asked for (#46 item 3)",
+        "a box of whole rows is read from the tensor's first row, whatever row it starts at",
+        (
+            (
+                "        readinto(fd, out, offset + first_row * row_bytes, file_name=file_name)\n",
+                "        readinto(fd, out, offset, file_name=file_name)\n",
+            ),
+        ),
+        ("tests/checkpoint/test_sources.py::test_read_slice_reads_only_the_box",),
+        expect='assert torch.equal(source.read_slice("w", box), weight[box]), (path, box)',
+    ),
+    "46s1": Plant(
+        "split_replica_reads: each replica reads its own part of the rows (#46 item 3)",
+        "every replica reads the first part: the gathered shard repeats it",
+        (
+            (
+                "    start, stop = replica * rows, (replica + 1) * rows\n",
+                "    start, stop = 0, rows\n",
+            ),
+        ),
+        ("tests/checkpoint/test_raw_replica_split.py::test_raw_load_reads_each_byte_once_per_replica_group",),
+        expect="test_raw_load_reads_each_byte_once_per_replica_group",
+    ),
+    "46l1": Plant(
+        "the launcher is read from the environment: srun's tasks per node (#46 item 3)",
+        "SLURM's tasks-per-node notation ('2(x2)') is not read: ranks per node unknown, nodes unknown",
+        (
+            (
+                "    return counts.pop() if len(counts) == 1 else None\n",
+                "    return None\n",
+            ),
+        ),
+        ("tests/test_launchers.py::test_the_innermost_launcher_is_detected",),
+        expect="test_the_innermost_launcher_is_detected",
+    ),
+    "46p1": Plant(
+        "a preemption signal on one rank stops every rank at the same step (#46 item 3)",
+        "each rank answers its own flag: the ranks that got no signal train on",
+        (
+            (
+                "            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_long_run.py::test_a_signal_requests_a_stop_that_every_rank_agrees_on_at_the_step_boundary",),
+        expect="test_a_signal_requests_a_stop_that_every_rank_agrees_on_at_the_step_boundary",
     ),
 }

@@ -4,7 +4,8 @@ Usage: ``tests/mutations/run.sh N [N ...]`` (or ``all``; ``--check`` only checks
 For each plant (``plants.py``) the working tree (tracked and untracked, not ignored, files) is copied to a temporary
 directory, each edit replaces one snippet that must occur exactly once in the package, the tests, the examples or the
 benchmarks (found by content, so renames do not break the plants), and pytest runs the plant's tests there.
-``caught``: the tests failed (pytest exit 1); ``MISSED``: they passed; ``ERROR``: the edit did not apply or pytest
+``caught``: the tests failed (pytest exit 1), with the plant's ``expect`` text in their output where it gives one
+(``OTHER FAILURE`` without it); ``MISSED``: they passed; ``ERROR``: the edit did not apply or pytest
 could not run them (exit 2-5). Read the failure lines it prints: a plant counts only if the failure is the one the
 test is for. Exit status: 0 when every plant given was caught.
 
@@ -81,6 +82,9 @@ def run(number: str) -> str:
             line for line in lines if line.startswith("E ") and "Error:" in line and "launch failed" not in line
         ][-2:]
         verdict = {0: "MISSED", 1: "caught"}.get(result.returncode, "ERROR")
+        if verdict == "caught" and plant.expect and plant.expect not in result.stdout:
+            verdict = "OTHER FAILURE"  # the tests failed, but not as this plant must make them fail
+            print(f"  expected in the output: {plant.expect}")
         print(f"  -> {verdict} (pytest exit {result.returncode}, {seconds:.0f} s)")
         for line in failed[:6] + failed[-2:]:
             print(f"     {line[:300]}")
