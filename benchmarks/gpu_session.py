@@ -326,6 +326,17 @@ def main() -> int:
     return session(args.out, args.rehearse, args.deadline, args.core_tests)
 
 
+def throughput_command(out: Path, rehearse: bool, budget: float, compile_off: bool) -> list[str]:
+    """``gpu_throughput.py`` for ``budget`` seconds: without compile on both sides when the preflight found that
+    compile cannot work here."""
+    backend = "none" if compile_off else "aot_eager" if rehearse else "inductor"
+    tiny = ["--tiny", "--device", "cpu", "--micro_batch", "2", "--warmup", "1", "--steps", "2"]
+    return [
+        sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--out", str(out / "throughput.jsonl"),
+        "--log_dir", str(out), "--budget", f"{budget:.0f}", "--backend", backend, *(tiny if rehearse else []),
+    ]  # fmt: skip
+
+
 def session(out: Path, rehearse: bool, seconds: float, with_core_tests: bool = False) -> int:
     started = time.monotonic()
     deadline = started + seconds
@@ -354,19 +365,13 @@ def session(out: Path, rehearse: bool, seconds: float, with_core_tests: bool = F
     check = [sys.executable, str(BENCHMARKS / "gpu_check.py"), *device, "--budget", f"{budget:.0f}"]
     note(f"gpu_check (budget {budget:.0f} s): {_run(check, out / 'gpu_check.txt', budget + 15, check_env)}")
     budget = left(PROBE + WRAP_UP)  # what gpu_check left is passed on
-    backend = "aot_eager" if rehearse else "inductor"
-    tiny = ["--tiny", "--micro_batch", "2", "--warmup", "1", "--steps", "2"]
-    throughput = [
-        sys.executable, str(BENCHMARKS / "gpu_throughput.py"), "--out", str(out / "throughput.jsonl"),
-        "--log_dir", str(out), "--budget", f"{budget:.0f}", *device, *(tiny if rehearse else []),
-        "--backend", "none" if checked["compile_off"] else backend,
-    ]  # fmt: skip
+    throughput = throughput_command(out, rehearse, budget, compile_off=checked["compile_off"] is not None)
     if checked["compile_off"]:
         note(f"throughput: both sides WITHOUT compile: {checked['compile_off']}")
-    result = _run(throughput, out / "throughput.txt", budget + WRAP_UP / 2)
+    result = _run(throughput, out / "throughput.txt", budget + WRAP_UP / 2) if budget >= 30 else "out of time"
     note(f"throughput (budget {budget:.0f} s): {result}")
     budget = min(PROBE, left(WRAP_UP / 2))
-    note(f"probe (budget {budget:.0f} s): {probe(out, rehearse, budget)}")
+    note(f"probe (budget {budget:.0f} s): {probe(out, rehearse, budget) if budget >= 10 else 'out of time'}")
     if background is not None:
         try:
             background.wait(timeout=max(1.0, left(WRAP_UP / 2)))

@@ -4,15 +4,15 @@ Run: ``python benchmarks/gpu_throughput.py --out results.jsonl`` (one CUDA devic
 every variant in seconds). Each variant runs in its own process (its own compile caches and allocator peak) on the same
 model, data and fused AdamW, streams its whole log to ``throughput-<variant>.log`` (beside ``--out``, or in
 ``--log_dir``) and appends one JSON line to ``--out`` as it finishes, so a timeout keeps what finished and the log of
-what did not. Order: the most needed first.
+what did not. Order: the most needed first (the baseline, then ``selective``, whose line is written before its saves).
 
+- ``torchtitan``: the baseline, torchtitan's recipe written out (``_torchtitan.py``): its selective-AC op policy
+  (recomputes every second matmul), ``block.compile(fullgraph=True)`` per block, ``fully_shard`` per block with
+  ``MixedPrecisionPolicy(bf16, fp32)``, fused AdamW, no autocast;
 - ``selective``: ``HybridFSDPStrategy(compile=True, activation_checkpointing_mode="selective")``, bf16-mixed; after
   its timed steps, in the same process (no second compile), two async ``fabric.save`` calls to a RAM-backed directory
   (``/dev/shm``), one at a time: the staging timed through the end of its device-to-host copies, the step right after
   a save with no sync between them, and the load checked against the state at the save (a ``save`` line);
-- ``torchtitan``: the baseline, torchtitan's recipe written out (``_torchtitan.py``): its selective-AC op policy
-  (recomputes every second matmul), ``block.compile(fullgraph=True)`` per block, ``fully_shard`` per block with
-  ``MixedPrecisionPolicy(bf16, fp32)``, fused AdamW, no autocast;
 - ``full``: the strategy with full activation checkpointing;
 - ``float8``: ``selective`` with ``float8=True`` (torchao rowwise; CUDA SM 8.9+).
 
@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from _processes import last_error, run_logged  # noqa: E402
 
-VARIANTS = ("selective", "torchtitan", "full", "float8")
+VARIANTS = ("torchtitan", "selective", "full", "float8")  # the baseline first: a ratio as soon as selective's steps end
 BASELINE = "torchtitan"
 # ~1.26B parameters (TinyLlama's shape), sequence 4096: the review's plan for one H200
 MODEL = {"vocab_size": 32000, "dim": 2048, "n_layers": 22, "n_heads": 16, "hidden_dim": 5632, "max_seq_len": 4096}

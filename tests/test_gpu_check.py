@@ -133,23 +133,30 @@ def test_a_throughput_variant_ended_at_its_deadline_leaves_its_log_and_no_proces
 
 
 @pytest.mark.timeout(120)
-def test_the_preflight_survives_a_hung_nvidia_smi_and_turns_compile_off_without_a_c_compiler(tmp_path):
-    """The preflight takes at most 30 s: a hung nvidia-smi is ended and said so; without the C compiler Triton needs
-    (``$CC`` names none), both throughput sides run without compile, and the summary says why."""
+def test_the_preflight_stops_a_run_that_cannot_work_within_30_s_and_says_why(tmp_path):
+    """The preflight takes at most 30 s: a hung nvidia-smi is ended and said so; without lightning nothing after it
+    can work (the run stops there); without the C compiler Triton needs (``$CC`` names none), both throughput sides
+    run without compile, and the summary says why."""
     session = _benchmark("gpu_session")
-    bin_dir = tmp_path / "bin"
+    bin_dir, broken = tmp_path / "bin", tmp_path / "broken" / "lightning"
     bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexec sleep 120\n")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexec sleep 60\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    env = dict(session._env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CC=str(tmp_path / "no-such-cc"))
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('lightning is broken here')\n")
+    env = session._env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", CC=str(tmp_path / "no-such-cc"))
+    env["PYTHONPATH"] = f"{broken.parent}{os.pathsep}{env['PYTHONPATH']}"
     start = time.monotonic()
     checked = session.preflight(tmp_path, rehearse=True, env=env)
     assert time.monotonic() - start < session.PREFLIGHT + 2, checked
-    assert checked["abort"] is None, checked
+    assert checked["abort"] == "lightning: ImportError: lightning is broken here", checked
     assert checked["compile_off"] == "not tried: Triton needs a C compiler (install gcc, or set CC)", checked
     assert "compile: OFF for both throughput sides" in checked["line"], checked
     assert "nvidia-smi: timed out after 10 s" in checked["line"], checked
     assert "nvidia-smi: timed out" in (tmp_path / "env.txt").read_text()
+    command = session.throughput_command(tmp_path, rehearse=False, budget=200, compile_off=True)
+    assert command[command.index("--backend") + 1] == "none"  # both sides
 
 
 @pytest.mark.timeout(120)
@@ -207,3 +214,55 @@ def test_the_ratio_is_printed_only_when_both_sides_compiled_alike(tmp_path):
     rows[1] = {**rows[1], "graph_breaks": 1}  # the baseline broke: no ratio at all
     results.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert "/ torchtitan =" not in throughput.headline(results)
+
+
+def test_the_save_figures_time_the_staging_through_its_copies_and_the_step_after_a_save_without_a_sync(
+    tmp_path, monkeypatch
+):
+    """``fabric.save`` returns once the copies are issued: the first save is timed through a device sync (the
+    copies' end), and the step right after the second save starts with no sync between, so it pays for the overlap;
+    one checkpoint at a time (the first deleted before the second)."""
+    import types
+
+    import torch
+
+    throughput = _benchmark("gpu_throughput")
+    events: list[str] = []
+    ticks = iter(range(1, 1000))
+
+    def clock() -> int:
+        events.append("clock")
+        return next(ticks)
+
+    class Local:  # a shard: what the figures read of a DTensor
+        def __init__(self) -> None:
+            self.tensor = torch.ones(4)
+
+        def to_local(self) -> torch.Tensor:
+            return self.tensor
+
+        def element_size(self) -> int:
+            return 4
+
+    class Fabric:
+        device = torch.device("cpu")
+        strategy = types.SimpleNamespace(wait_for_checkpoint=lambda: events.append("written"))
+
+        def save(self, path, state) -> None:  # noqa: ANN001
+            events.append(f"save {path.name}, saves on disk {len(list(tmp_path.iterdir()))}")
+            path.mkdir()
+
+        def load(self, path, state) -> None:  # noqa: ANN001
+            events.append("load")
+
+    monkeypatch.setattr(throughput, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(throughput, "_sync", lambda device: events.append("sync"))
+    monkeypatch.setattr(throughput, "_step", lambda *args: events.append("step"))
+    model = types.SimpleNamespace(state_dict=lambda: {"w": Local()})
+    args = types.SimpleNamespace(save_dir=str(tmp_path))
+    figures = throughput._save_figures(args, Fabric(), model, types.SimpleNamespace(state={}), [None], 1.0)
+    first = events.index("save save-1, saves on disk 0")
+    assert events[first : first + 4] == ["save save-1, saves on disk 0", "clock", "sync", "clock"], events
+    second = events.index("save save-2, saves on disk 0")  # save-1 deleted first
+    assert events[second : second + 5] == ["save save-2, saves on disk 0", "clock", "step", "sync", "clock"], events
+    assert figures["issued_s"] == 1 and figures["staged_s"] == 2 and figures["step_after_s"] == 1, figures
