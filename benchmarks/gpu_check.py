@@ -37,6 +37,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+from _processes import end_tree, last_error  # noqa: E402
 
 CHECK_TIMEOUT = 150  # seconds per check, start-up included
 TOTAL_BUDGET = 280  # seconds for all checks: the script stays under 5 minutes
@@ -499,14 +502,6 @@ def _run_in_job(names: list[str], device: str, workdir: Path, results: Path) -> 
                 file.write(json.dumps(line) + "\n")
 
 
-def _last_error(output: str) -> str:
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if ("Error" in line or "Exception" in line) and not line.startswith(("File ", "raise ", "torch.distributed")):
-            return line[:300]
-    return lines[-1][:300] if lines else "no output"
-
-
 def _runnable(args: argparse.Namespace, available: int) -> list[tuple[Check, int]]:
     """The checks to run with their world sizes; prints a SKIP line for each of the others."""
     runnable = []
@@ -563,13 +558,12 @@ def _run_job(names: list[str], world: int, device: str, timeout: float) -> int:
                 if code is not None:
                     break
                 if time.monotonic() - start > timeout:
-                    job.kill()
-                    job.wait()
+                    end_tree(job)  # torchrun and its workers, which run in sessions of their own
                     code = "timeout"
                     break
                 time.sleep(0.5)
         if shown < len(names):  # the job died (or ran out of time) before these checks reported
-            reason = f"timed out after {timeout:.0f} s" if code == "timeout" else _last_error(log.read_text())
+            reason = f"timed out after {timeout:.0f} s" if code == "timeout" else last_error(log.read_text())
             for name in names[shown:]:
                 failed += 1
                 print(f"FAIL  {name:<22} world {world}: {reason}", flush=True)

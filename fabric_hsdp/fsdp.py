@@ -164,10 +164,21 @@ def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: Devi
         fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
     fully_shard(module, **kwargs)
     module.register_forward_hook(_reshard_after_forward_without_gradients)
-    if versions.gloo_reduces_average_as_sum(mesh.device_type):
+    if reduces_by_sum(mesh):
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_force_sum_reduction_for_comms(True)  # FSDP2 sums, then divides the shard itself
+
+
+def reduces_by_sum(mesh: DeviceMesh) -> bool:
+    """Whether FSDP2 must sum gradients over ``mesh`` and divide them itself (``ReduceOp.AVG`` is not trusted): when
+    a backend that reduces them, the one each dim's group uses for the mesh's device type, is gloo."""
+    import torch.distributed as dist
+
+    backends = {
+        versions.backend_for_device(dist.get_backend(mesh.get_group(dim)), mesh.device_type) for dim in range(mesh.ndim)
+    }
+    return any(map(versions.gloo_reduces_average_as_sum, backends))
 
 
 def hold_frozen_in_compute_dtype(module: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> list[str]:

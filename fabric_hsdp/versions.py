@@ -93,14 +93,27 @@ def passing_plan_validator() -> Any:
     return lambda *args, **kwargs: valid
 
 
-def gloo_reduces_average_as_sum(device_type: str) -> bool:
-    """Whether FSDP2's gradient reductions must be sums it divides itself, not ``ReduceOp.AVG``.
+def backend_for_device(backend: str, device_type: str) -> str:
+    """The backend a process group uses for ``device_type``'s tensors: ``"gloo"`` from ``"gloo"``, ``"nccl"`` from
+    ``"cpu:gloo,cuda:nccl"`` for ``"cuda"`` (``dist.get_backend``'s two spellings)."""
+    if ":" not in backend:
+        return backend
+    by_device = dict(part.split(":", 1) for part in backend.split(","))
+    return by_device.get(device_type, backend)
 
-    torch 2.8's gloo ``reduce_scatter_tensor`` sums when asked for ``AVG`` (seen: ranks holding 1 and 2 get 3, not
-    1.5), so FSDP2 (which averages fp32/bf16 gradients with ``AVG``) returned ``shard_size`` times the gradient on CPU.
-    Summing and dividing is exact on every release, so CPU meshes (gloo) always do it; CUDA's NCCL averages.
+
+def gloo_reduces_average_as_sum(backend: str) -> bool:
+    """Whether FSDP2's gradient reductions over ``backend`` (the one the mesh's device type uses) must be sums it
+    divides itself, not ``ReduceOp.AVG``.
+
+    torch 2.8's gloo ``reduce_scatter_tensor`` sums when asked for ``AVG`` (seen on CPU: ranks holding 1 and 2 get
+    3, not 1.5), so FSDP2 (which averages fp32/bf16 gradients with ``AVG``) returned ``shard_size`` times the
+    gradient. 2.13's gloo averages on CPU; gloo with CUDA tensors (copied through host memory) on 2.11 is unknown
+    (``benchmarks/gpu_session.py``'s probe asks it). Keyed on the backend, not the device: gloo is gloo whatever
+    tensors it carries, and summing then dividing is exact on every release, so every gloo reduction does it. NCCL
+    averages.
     """
-    return device_type == "cpu"
+    return backend == "gloo"
 
 
 # Private torch names: every use in the package goes through here.

@@ -149,3 +149,27 @@ def test_no_private_torch_name_outside_the_versions_module():
         for line, name in _private_torch_names(ast.parse(path.read_text(), str(path)))
     ]
     assert not uses, "private torch names outside fabric_hsdp/versions.py:\n" + "\n".join(uses)
+
+
+def test_gloo_reductions_are_summed_whatever_tensors_gloo_carries(monkeypatch):
+    """torch 2.8's gloo summed when asked to average, so FSDP2 sums and divides over gloo itself. Keyed on the
+    backend, not the device: gloo with CUDA tensors gets it too, NCCL beside a CPU gloo (offload) does not."""
+    import torch.distributed as dist
+
+    from fabric_hsdp.fsdp import reduces_by_sum
+
+    class Mesh:
+        def __init__(self, device_type: str, backends: list[str]) -> None:
+            self.device_type, self.backends, self.ndim = device_type, backends, len(backends)
+
+        def get_group(self, dim: int) -> str:
+            return self.backends[dim]  # stands for the group: dist.get_backend below names it
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: group)
+    assert versions.backend_for_device("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert versions.backend_for_device("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert reduces_by_sum(Mesh("cuda", ["gloo", "gloo"]))  # two ranks on one GPU over gloo
+    assert reduces_by_sum(Mesh("cuda", ["cuda:gloo"]))
+    assert reduces_by_sum(Mesh("cpu", ["gloo", "gloo"]))
+    assert not reduces_by_sum(Mesh("cuda", ["nccl", "nccl"]))
+    assert not reduces_by_sum(Mesh("cuda", ["cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"]))

@@ -437,7 +437,7 @@ PLANTS: dict[str, Plant] = {
     "35h": Plant(
         "the GPU session's hand-written torchtitan-style loop compiles its blocks, as torchtitan does (#35)",
         "the hand-written loop's blocks are not compiled: the headline ratio would compare compiled with eager",
-        (("        block.compile(**compile_options)\n", ""),),
+        (("        block.compile(**compile_options)\n", "        pass\n"),),
         ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
     ),
     "35i": Plant(
@@ -1356,5 +1356,126 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_long_run.py::test_a_signal_requests_a_stop_that_every_rank_agrees_on_at_the_step_boundary",),
         expect="test_a_signal_requests_a_stop_that_every_rank_agrees_on_at_the_step_boundary",
+    ),
+    "43a": Plant(
+        "the GPU session's preflight holds its 30 s: a hung nvidia-smi is ended and said so (#43 item 1)",
+        "nvidia-smi is waited for without a timeout: a hung driver holds the whole run",
+        (
+            (
+                "smi.communicate(timeout=max(1.0, NVIDIA_SMI - (time.monotonic() - start)))[0]\n",
+                "smi.communicate()[0]\n",
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_the_preflight_stops_a_run_that_cannot_work_within_30_s_and_says_why",),
+    ),
+    "43b": Plant(
+        "without the C compiler Triton needs, both throughput sides run without compile (#43 item 1)",
+        "the compiler check ignores $CC (Triton's first choice): gcc on PATH passes while Triton would fail",
+        (
+            (
+                '    chosen = env.get("CC") or shutil.which("gcc", path=env.get("PATH"))',
+                '    chosen = shutil.which("gcc", path=env.get("PATH"))',
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_the_preflight_stops_a_run_that_cannot_work_within_30_s_and_says_why",),
+    ),
+    "43c": Plant(
+        "a throughput variant ended mid-way keeps its whole log in its own file (#43 item 2)",
+        "the output is captured, as subprocess.run(capture_output=True) did, and lost when the timeout ends it",
+        (
+            (
+                "subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=cwd)\n",
+                "subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd)\n",
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_a_throughput_variant_ended_at_its_deadline_leaves_its_log_and_no_process",),
+    ),
+    "43d": Plant(
+        "a timed-out torchrun is ended with its workers (#43 item 9)",
+        "only torchrun is killed (SIGKILL, as before): its workers, in sessions of their own, keep running",
+        (
+            ("    tree = descendants(process.pid)\n", "    tree: list[int] = []\n"),
+            ("    process.send_signal(signal.SIGTERM)\n", "    process.kill()\n"),
+        ),
+        ("tests/test_gpu_check.py::test_a_timed_out_torchrun_is_ended_with_its_workers",),
+    ),
+    "43e": Plant(
+        "gloo's sum-and-divide is keyed on the backend, not the device (#43 item 8)",
+        "keyed on the device, as before: two ranks on one GPU over gloo would ask gloo to average",
+        (
+            (
+                "    return any(map(versions.gloo_reduces_average_as_sum, backends))\n",
+                '    return mesh.device_type == "cpu"\n',
+            ),
+        ),
+        ("tests/test_versions.py::test_gloo_reductions_are_summed_whatever_tensors_gloo_carries",),
+    ),
+    "43f": Plant(
+        "MFU counts causal attention (#43 item 7)",
+        "full attention's 12 x layers x dim x sequence: MFU ~13 % high at the 1.3B size",
+        (
+            (
+                "    return 6 * non_embedding + 6 * config.n_layers * config.dim * config.max_seq_len\n",
+                "    return 6 * non_embedding + 12 * config.n_layers * config.dim * config.max_seq_len\n",
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_mfu_counts_causal_attention",),
+    ),
+    "43g": Plant(
+        "the throughput ratio is printed only when both sides compiled alike (#43 item 5)",
+        "no check: a baseline with graph breaks gives a ratio that flatters",
+        (
+            (
+                '    if any(ours[key] != baseline[key] for key in keys) or ours["graph_breaks"]:\n',
+                "    if False:\n",
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_the_ratio_is_printed_only_when_both_sides_compiled_alike",),
+    ),
+    "43h": Plant(
+        "one deadline: the time gpu_check leaves is passed on to the throughput (#43 item 3)",
+        "a fixed 230 s for the throughput, as before, whatever gpu_check left",
+        (("    budget = left(PROBE + WRAP_UP)  # what gpu_check left is passed on\n", "    budget = 230.0\n"),),
+        ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
+    ),
+    "43i": Plant(
+        "the summary says what a one-GPU run leaves untested (#43 item 10)",
+        "no such block: a world-1 pass reads as 'the GPU paths work'",
+        (('    note(NOT_TESTED)\n    note(f"session: done', '    note(f"session: done'),),
+        ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
+    ),
+    "43j": Plant(
+        "the probe asks gloo directly whether AVG averages (#43 item 8)",
+        "the AVG attempt's op is dropped: gloo is asked to sum, and the probe reports 'sums'",
+        (
+            (
+                "        dist.reduce_scatter_tensor(scattered, torch.arange(2.0, device=device) + rank, op=op)\n",
+                "        dist.reduce_scatter_tensor(scattered, torch.arange(2.0, device=device) + rank)\n",
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
+    ),
+    "43k": Plant(
+        "async save: the staging is timed through the end of its device-to-host copies (#43 item 6)",
+        "timed to fabric.save's return, as before: the copies are only issued, and the GB/s can exceed PCIe",
+        (("    _sync(fabric.device)  # the copies on the staging stream included\n", ""),),
+        (
+            "tests/test_gpu_check.py::"
+            "test_the_save_figures_time_the_staging_through_its_copies_and_the_step_after_a_save_without_a_sync",
+        ),
+    ),
+    "43l": Plant(
+        "async save: the step right after a save is taken without a sync, so it shows the overlap (#43 item 6)",
+        "a sync between the save and the step, as before: the copies finish outside both timers",
+        (
+            (
+                "    returned = time.perf_counter()\n",
+                "    _sync(fabric.device)\n    returned = time.perf_counter()\n",
+            ),
+        ),
+        (
+            "tests/test_gpu_check.py::"
+            "test_the_save_figures_time_the_staging_through_its_copies_and_the_step_after_a_save_without_a_sync",
+        ),
     ),
 }
