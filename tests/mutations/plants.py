@@ -1034,4 +1034,32 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_run.py::test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so",),
     ),
+    "45a": Plant(
+        "weights kept gathered across the micro-batches of a step (#45)",
+        "no_backward_sync reshards after backward anyway: every micro-batch gathers the model again",
+        (
+            (
+                "            unit.set_reshard_after_backward(False, recurse=False)\n",
+                "            unit.set_reshard_after_backward(True, recurse=False)\n",
+            ),
+        ),
+        ("tests/test_gradients.py::test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process",),
+    ),
+    "45b": Plant(
+        "weights kept gathered: not resharded after forward either (#45)",
+        "keep_gathered_while_accumulating leaves reshard_after_forward as given: each backward gathers the layers",
+        (
+            (
+                "    return False\n\n\n@dataclass\nclass Levers:",
+                "    return reshard_after_forward\n\n\n@dataclass\nclass Levers:",
+            ),
+        ),
+        ("tests/test_gradients.py::test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process",),
+    ),
+    "45c": Plant(
+        "keep_gathered_while_accumulating with reshard_after_forward=True is refused (#45)",
+        "the contradiction is accepted silently (reshard_after_forward=True is dropped)",
+        (("    if reshard_after_forward not in (None, False):\n        raise", "    if False:\n        raise"),),
+        ("tests/test_gradients.py::test_kept_gathered_weights_refuse_resharding_after_forward",),
+    ),
 }
