@@ -654,8 +654,9 @@ PLANTS: dict[str, Plant] = {
         "each row runs one micro-batch per data-parallel rank: TP rows run T times fewer tokens per step",
         (
             (
-                "training, layout, batch, usable, adapt)",
-                "training, layout, layout.data_parallel_size * training.workload.micro_batch_size, usable, adapt)",
+                "training, layout, batch, usable, adapt, weigh)",
+                "training, layout, layout.data_parallel_size * training.workload.micro_batch_size, usable, adapt,"
+                " weigh)",
             ),
         ),
         (
@@ -667,7 +668,12 @@ PLANTS: dict[str, Plant] = {
     "34d": Plant(
         "every micro-batch gathers the model again (#34)",
         "gradient accumulation's micro-batches are free: FSDP traffic counted once per optimizer step",
-        (("        SHARD_DIM: accumulation_steps\n", "        SHARD_DIM: 1\n"),),
+        (
+            (
+                "    gathers = 1 if training.keep_gathered_while_accumulating else accumulation_steps\n",
+                "    gathers = 1\n",
+            ),
+        ),
         ("tests/planning/test_expert.py",),
     ),
     "34e": Plant(
@@ -695,8 +701,8 @@ PLANTS: dict[str, Plant] = {
         "activation checkpointing, once allowed, stays on in every row",
         (
             (
-                "    checkpointing = [replace(training, activation_checkpointing=False)]\n",
-                "    checkpointing = [] if training.activation_checkpointing else [training]\n",
+                '    return ["none", "selective", *([user] if isinstance(user, int) else []), "full"]\n',
+                '    return ["selective", *([user] if isinstance(user, int) else []), "full"]\n',
             ),
         ),
         (
