@@ -2,21 +2,19 @@
 
 Every layout is compared at **one global batch** (the user's ``global_batch_size``, else the planner's stated
 default; see :mod:`~fabric_hsdp.planning.step`), so every row processes the same tokens per optimizer step. Each row
-runs it with the largest micro-batch that fits and without activation checkpointing where it fits without (the memory
-TP frees buys those), fewer micro-batches meaning fewer FSDP gathers per step. A row fits when its total, with the
-activation estimate counted 25 % over, is within the device memory less the safety margin.
+weighs the levers experts pull (issue #45): the largest micro-batch that fits (fewer micro-batches, fewer FSDP gathers
+per step), no, selective or full activation checkpointing where recompute lets a larger micro-batch fit, and the
+weights kept gathered for the step (one gather per step) where the memory allows; it runs the fastest option. A row
+fits when its total, with the activation estimate counted 25 % over, is within the device memory less the safety
+margin.
 
 The recommendation (and ``HybridFSDPStrategy(shard_size="auto")``, which uses the same function) among the rows that
-fit:
-
-* Without bandwidths: the fewest bytes between nodes per step (within 10 %: bytes cannot see what recompute and TP
-  cost in time); among those near-ties the one without recompute, then the smallest tensor-parallel size (TP adds
-  collectives to the critical path of every layer), then the fewest bytes, then the smallest shard group. On one
-  node nothing crosses nodes, so the tie-breaks decide.
-* With a bandwidth: the shortest estimated step time, compute included (within 2 %), then the same tie-breaks.
-
-The ranking and the ``recommended:`` line (why the winner won: its figure, and the best layout of every other
-tensor-parallel size with its figure and what costs it) are :mod:`~fabric_hsdp.planning.ranking`'s.
+fit: the shortest estimated step time, compute included, with the bandwidths given or, where one is not given, a
+stated typical interconnect (:data:`TYPICAL_FABRIC`); within 2 % the least TP, recompute and gathering, then (with an
+assumed bandwidth) the fewest bytes between nodes, then the smallest shard group. The ranking and the
+``recommended:`` line (why the winner won: its figure and whether it is compute-bound, the lever that won and by how
+much, the runner-up, and the best layout of every other tensor-parallel size) are
+:mod:`~fabric_hsdp.planning.ranking`'s.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ micro-batch), so the rows do the same work and their bytes and times compare dir
 ranks gives each ``n = G / D`` sequences per step (a layout whose ``D`` does not divide ``G`` is skipped with the
 reason); it runs them as ``a = n / m`` micro-batches of ``m`` sequences.
 
-Tensor parallelism frees memory (a ``T``-th of the gathered layers and of the split activations): with ``adapt`` the
-planner spends it on the largest micro-batch that fits (fewer micro-batches: fewer FSDP gathers per step) and on
-fewer recomputes (activation checkpointing off where the layout fits without it). Without ``adapt`` (the strategy's
-``shard_size="auto"``, whose micro-batch is the script's) the micro-batch and checkpointing are the user's.
+Tensor parallelism and recompute free memory (a ``T``-th of the gathered layers and of the split activations; the
+activations recompute does not keep): with ``adapt`` the planner spends it on the largest micro-batch that fits
+(fewer micro-batches: fewer FSDP gathers per step), per checkpointing mode (:func:`checkpointing_modes`) and with or
+without the weights kept gathered for the step; the plan takes the fastest of these options. Without ``adapt`` (the
+strategy's ``shard_size="auto"``, whose micro-batch is the script's) the micro-batch, checkpointing and gathering are
+the user's.
 
 "Fits" keeps headroom for what is estimated: the activations (an estimate, see :mod:`~fabric_hsdp.planning.memory`)
 count :data:`ACTIVATION_HEADROOM` more; the exact sharded state does not.
