@@ -158,8 +158,9 @@ def lever_sentence(plan: Plan, row: LayoutPlan) -> str:
         if without is None:
             return f"lever: {name}, without which nothing fits"
         ratio = ranking_cost(without) / max(ranking_cost(row), 1e-30)
+        them = "them" if " + " in name else "it"
         return (
-            f"lever: {name}, {ratio:.2f}x faster than the best without it ({layout_summary(without.layout)},"
+            f"lever: {name}, {ratio:.2f}x faster than the best without {them} ({layout_summary(without.layout)},"
             f" {describe_step(without.training, without.step)}, {format_seconds(ranking_cost(without))} per step)"
         )
     pulled = _with_levers(plan)

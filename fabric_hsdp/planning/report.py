@@ -75,6 +75,7 @@ def plan_table(plan: Plan) -> str:
     lines.append("")
     if plan.recommended is not None:
         lines.append(f"recommended: {plan.reason}")
+        lines.append(f"run it:   {strategy_call(plan.recommended)}")
     else:
         lines.append("recommended: none (no layout fits; see the error below)")
     if training.cpu_offload and plan.recommended is not None:
@@ -101,6 +102,36 @@ def plan_table(plan: Plan) -> str:
         " the matmuls) at the stated efficiency; MFU: model FLOPs over the peak (estimates, not measurements)"
     )
     return "\n".join(lines)
+
+
+def strategy_call(row: LayoutPlan) -> str:
+    """The strategy arguments (and the step) that run ``row``, as a user writes them."""
+    training, layout, step = row.training, row.layout, row.step
+    arguments = [f"shard_size={layout.shard_size}"]
+    if layout.tensor_parallel_size > 1:
+        arguments.append(f"tensor_parallel_size={layout.tensor_parallel_size}")
+        arguments += [f"{name}=True" for name in ("sequence_parallel", "loss_parallel") if getattr(training, name)]
+    mode = training.checkpointing
+    if mode != "none":
+        arguments.append("activation_checkpointing={<the block class>}")
+        if mode != "full":
+            arguments.append(f"activation_checkpointing_mode={mode!r}")
+    if training.keep_gathered_while_accumulating:
+        arguments.append("keep_gathered_while_accumulating=True")
+    elif training.reshard_after_forward is not None:
+        arguments.append(f"reshard_after_forward={training.reshard_after_forward}")
+    if training.cpu_offload:
+        arguments.append("cpu_offload=True")
+    steps = step.accumulation_steps
+    accumulate = (
+        f", {steps} micro-batches per step (fabric.no_backward_sync(model, enabled=True) on all but the last)"
+        if steps > 1
+        else ", one micro-batch per step"
+    )
+    return (
+        f"HybridFSDPStrategy({', '.join(arguments)}), Fabric(precision={training.precision!r}),"
+        f" micro-batches of {step.micro_batch_size} sequence{'s' if step.micro_batch_size > 1 else ''}" + accumulate
+    )
 
 
 def _batch_line(plan: Plan) -> str:
@@ -198,6 +229,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             for layout, reason in plan.skipped
         ],
         "recommended": None if plan.recommended is None else _row_dict(plan.recommended),
+        "run_it": None if plan.recommended is None else strategy_call(plan.recommended),
         "reason": plan.reason or None,
     }
 

@@ -1208,4 +1208,15 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/planning/test_weighed_levers.py::test_the_cli_weighs_unless_told",),
     ),
+    "45o": Plant(
+        "the recommendation says the strategy arguments that run it (#45)",
+        "the run-it line leaves out keep_gathered_while_accumulating=True",
+        (
+            (
+                '        arguments.append("keep_gathered_while_accumulating=True")\n',
+                "        pass\n",
+            ),
+        ),
+        ("tests/planning/test_weighed_levers.py::test_the_recommendation_says_the_strategy_arguments_that_run_it",),
+    ),
 }

@@ -142,3 +142,25 @@ def test_the_cli_weighs_unless_told(capsys):
     assert main([*args, "--keep_gathered_while_accumulating", "true", "--tensor_parallel_size", "8"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert all(entry["keep_gathered_while_accumulating"] for entry in document["layouts"])
+
+
+def test_the_recommendation_says_the_strategy_arguments_that_run_it(llama_70b):
+    """TP 8 on 16 x 8 at 128 sequences per step: the kept-gathered lever wins (one gather per step for 4
+    micro-batches), and the output says how to run it."""
+    training = Training("bf16-mixed", Workload(1, 2048))
+    plan = make_plan(
+        llama_70b, Cluster(16, 8, "80GB", **FAST), training, tensor_parallel_sizes=[8], global_batch_size=128
+    )
+    call = (
+        "HybridFSDPStrategy(shard_size=64, tensor_parallel_size=8, activation_checkpointing={<the block class>},"
+        " activation_checkpointing_mode='selective', keep_gathered_while_accumulating=True),"
+        " Fabric(precision='bf16-mixed'), micro-batches of 2 sequences, 4 micro-batches per step"
+        " (fabric.no_backward_sync(model, enabled=True) on all but the last)"
+    )
+    assert f"\nrun it:   {call}\n" in plan_table(plan)
+    assert plan_dict(plan)["run_it"] == call
+    # against the best option with neither lever: no recompute, resharded, 4 micro-batches of 2 over all ranks
+    assert (
+        "lever: selective activation checkpointing + weights kept gathered for the step, 1.72x faster than the best"
+        " without them (shard_size=128 (all ranks), tensor_parallel_size=8, mesh (1, 16, 8), micro-batch 2 x 4"
+    ) in plan.reason
