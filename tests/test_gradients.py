@@ -50,16 +50,17 @@ def test_accumulating_micro_batches_holds_only_this_ranks_shard_of_the_gradients
         assert 0.5 * facts["model_bytes"] <= facts["sharded"] <= 0.55 * facts["model_bytes"], facts
 
 
-def gathers_while_accumulating(num_nodes: int, devices: int, accumulate: int) -> dict:
+def gathers_while_accumulating(num_nodes: int, devices: int, accumulate: int, layout: dict) -> dict:
     """One optimizer step of ``accumulate`` micro-batches, with and without ``keep_gathered_while_accumulating``
-    (:func:`_one_step`); then parity with one process (3 steps) with the option on."""
+    (:func:`_one_step`); then parity with one process (3 steps) with the option on. ``layout``: more strategy
+    arguments (the shard group, tensor parallelism)."""
     from tests.helpers.parity import _parity
     from tests.helpers.training import layer_class, make_fabric
 
     facts = {}
     for keep in (False, True):
         fabric = make_fabric(
-            num_nodes, devices, sharded_modules={layer_class("llama")}, keep_gathered_while_accumulating=keep
+            num_nodes, devices, sharded_modules={layer_class("llama")}, keep_gathered_while_accumulating=keep, **layout
         )
         facts[keep] = _one_step(fabric, accumulate)
     options = dict(steps=3, accumulate=accumulate, clip=None, setup_together=False, bugs=[])
@@ -116,11 +117,17 @@ def _one_step(fabric, accumulate: int) -> dict:
     }
 
 
-def test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process():
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"shard_size": "world", "tensor_parallel_size": 2}],
+    ids=["hsdp-2x2", "fsdp-over-nodes-tp2"],
+)
+def test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process(layout):
     from tests.test_strategy import within_noise
 
     accumulate = 3
-    values = launch("tests.test_gradients:gathers_while_accumulating", {"accumulate": accumulate}).check().values
+    arguments = {"accumulate": accumulate, "layout": layout}
+    values = launch("tests.test_gradients:gathers_while_accumulating", arguments).check().values
     for facts in values:
         resharded, kept = facts[False], facts[True]
         # FSDP2's default: every micro-batch gathers the units in its forward, and the layers (resharded after
