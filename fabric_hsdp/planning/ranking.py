@@ -156,19 +156,19 @@ def lever_sentence(plan: Plan, row: LayoutPlan) -> str:
     if name != "none":
         without = _without_levers(plan, row)
         if without is None:
-            return f"lever: {name}, without which nothing fits"
+            return f"Lever: {name}, without which nothing fits"
         ratio = ranking_cost(without) / max(ranking_cost(row), 1e-30)
         them = "them" if " + " in name else "it"
         return (
-            f"lever: {name}, {ratio:.2f}x faster than the best without {them} ({layout_summary(without.layout)},"
+            f"Lever: {name}, {ratio:.2f}x faster than the best without {them} ({layout_summary(without.layout)},"
             f" {describe_step(without.training, without.step)}, {format_seconds(ranking_cost(without))} per step)"
         )
     pulled = _with_levers(plan)
     if pulled is None:
-        return "lever: none (no recompute or gathering fits better)"
+        return "Lever: none (no recompute or gathering fits better)"
     ratio = ranking_cost(pulled) / max(ranking_cost(row), 1e-30)
     return (
-        f"lever: none; the best with one ({lever_name(pulled)}: {layout_summary(pulled.layout)},"
+        f"Lever: none; the best with one ({lever_name(pulled)}: {layout_summary(pulled.layout)},"
         f" {describe_step(pulled.training, pulled.step)}) takes {format_seconds(ranking_cost(pulled))} per step"
         f" ({ratio:.2f}x)"
     )

@@ -236,7 +236,7 @@ def test_the_output_says_why_the_winner_won(shapes):
     assert "2.24 s per step (~116,913 tokens/s, MFU ~40%), compute-bound (compute 2.24 s, inter-node traffic" in reason
     # the lever that won, by how much, against the best without it
     assert (
-        "lever: selective activation checkpointing, 1.26x faster than the best without it (shard_size=128 (all"
+        "Lever: selective activation checkpointing, 1.26x faster than the best without it (shard_size=128 (all"
         " ranks), tensor_parallel_size=2, mesh (1, 64, 2), micro-batch 1 x 2 accumulation steps, activation"
         " checkpointing off, 2.82 s per step)"
     ) in reason

@@ -107,7 +107,7 @@ def test_the_70b_answer_is_not_communication_bound(llama_70b, bandwidths):
     assert chosen.inter_node_seconds <= chosen.throughput.compute_seconds
     assert chosen.total_with_headroom <= 0.9 * 80e9
     assert ", compute-bound (compute 2.24 s, inter-node traffic 555.9 GB in 1.39 s)." in plan.reason
-    assert "lever: selective activation checkpointing, 1.26x faster than the best without it" in plan.reason
+    assert "Lever: selective activation checkpointing, 1.26x faster than the best without it" in plan.reason
     assert "Runner-up: shard_size=128 (all ranks), tensor_parallel_size=2" in plan.reason
 
 
@@ -161,6 +161,6 @@ def test_the_recommendation_says_the_strategy_arguments_that_run_it(llama_70b):
     assert plan_dict(plan)["run_it"] == call
     # against the best option with neither lever: no recompute, resharded, 4 micro-batches of 2 over all ranks
     assert (
-        "lever: selective activation checkpointing + weights kept gathered for the step, 1.72x faster than the best"
+        "Lever: selective activation checkpointing + weights kept gathered for the step, 1.72x faster than the best"
         " without them (shard_size=128 (all ranks), tensor_parallel_size=8, mesh (1, 16, 8), micro-batch 2 x 4"
     ) in plan.reason
