@@ -41,7 +41,11 @@ EXPERT_TABLE = {
     # link; no TP (the 2048-token micro-batch fits, and TP only adds collectives on every layer), no recompute.
     ("8B", 2, "slow"): (8, 1, (2, 8), 1, 1, "none"),
     ("8B", 16, "slow"): (8, 1, (16, 8), 1, 1, "none"),
+    # Without bandwidths (the planner assumes an H100 node's fabric, 3200 Gbit/s): every shard group that fits is
+    # compute-bound at 250 ms, and with a bandwidth assumed the near-tie goes to the fewest bytes between nodes, a
+    # copy per node, as before #45 (when no bandwidth meant ranking by bytes).
     ("8B", 2, "no bandwidth given"): (8, 1, (2, 8), 1, 1, "none"),
+    ("8B", 16, "no bandwidth given"): (8, 1, (16, 8), 1, 1, "none"),
     # With a fast fabric the gradient all-reduce hides under the compute whatever the shard group, so the smallest
     # group that fits (half a node: 32 GB of state per GPU) gathers over 4 GPUs instead of 8; still no TP.
     ("8B", 2, "fast"): (4, 1, (4, 4), 1, 1, "none"),
