@@ -4,6 +4,9 @@
 waits; the reduce-scatter inside the shard group runs every micro-batch, so each rank accumulates sharded gradients.
 Lightning's control for FSDP2 (``set_requires_gradient_sync(False)``) skips both, and each rank then holds unsharded
 gradients of the whole model in ``reduce_dtype`` between micro-batches (4 bytes per parameter: 32 GB at 8B).
+With ``keep_gathered_while_accumulating`` the units are also not resharded after those backwards, so the next
+micro-batch's forward finds its parameters gathered (FSDP2's ``set_reshard_after_backward(False)``): the last
+micro-batch's backward, outside the context, reshards them.
 
 Clipping:
 Under tensor parallelism the parameters a plan splits are DTensors on the whole mesh ``(replicate, shard, tensor)``
@@ -24,24 +27,32 @@ from torch import Tensor, nn
 
 class ReplicaSyncControl(_BackwardSyncControl):
     """``fabric.no_backward_sync(model, enabled)``: skip the gradient all-reduce across replicas (the inter-node
-    traffic under HSDP) while ``enabled``; the reduce-scatter into each rank's shard runs every micro-batch."""
+    traffic under HSDP) while ``enabled``; the reduce-scatter into each rank's shard runs every micro-batch.
+    ``keep_gathered``: the units also stay gathered after those backwards (one all-gather per optimizer step)."""
+
+    def __init__(self, keep_gathered: bool = False) -> None:
+        self.keep_gathered = keep_gathered
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return _replicas_not_reduced(module) if enabled else nullcontext()
+        return _replicas_not_reduced(module, self.keep_gathered) if enabled else nullcontext()
 
 
 @contextmanager
-def _replicas_not_reduced(module: nn.Module) -> Iterator[None]:
+def _replicas_not_reduced(module: nn.Module, keep_gathered: bool) -> Iterator[None]:
     from torch.distributed.fsdp import FSDPModule
 
     units = [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
     for unit in units:
         unit.set_requires_all_reduce(False, recurse=False)
+        if keep_gathered:
+            unit.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
         for unit in units:
             unit.set_requires_all_reduce(True, recurse=False)
+            if keep_gathered:
+                unit.set_reshard_after_backward(True, recurse=False)
 
 
 def clip_grad_norm(

@@ -75,6 +75,30 @@ def validate_compile(spec: CompileSpec) -> CompileSpec:
     )
 
 
+def validate_keep_gathered(keep: bool, reshard_after_forward: bool | int | None) -> bool | int | None:
+    """The ``reshard_after_forward`` a run with ``keep_gathered_while_accumulating=keep`` shards with: ``False``
+    when it keeps the units gathered (one gather per optimizer step: none again for the backward either).
+
+    Raises:
+        ValueError: ``keep`` is not a bool, or asks to keep the units gathered while ``reshard_after_forward``
+            asks to free them after every forward.
+    """
+    if not isinstance(keep, bool):
+        raise ValueError(
+            f"HybridFSDPStrategy(keep_gathered_while_accumulating={keep!r}) is not valid: pass True or False."
+        )
+    if not keep:
+        return reshard_after_forward
+    if reshard_after_forward not in (None, False):
+        raise ValueError(
+            "HybridFSDPStrategy(keep_gathered_while_accumulating=True,"
+            f" reshard_after_forward={reshard_after_forward!r}) asks to keep the gathered parameters for the whole"
+            " step and to free them after every forward. Drop"
+            " reshard_after_forward (keep_gathered_while_accumulating implies reshard_after_forward=False)."
+        )
+    return False
+
+
 @dataclass
 class Levers:
     """What the strategy's arguments ask of the setup: the FSDP units and options, and every lever (read, never
@@ -82,6 +106,7 @@ class Levers:
 
     sharded_modules: Callable[[str, nn.Module], bool] | None = None  # None: the layers of the model's ModuleLists
     reshard_after_forward: bool | int | None = None
+    keep_gathered_while_accumulating: bool = False
     cpu_offload: bool | Any = False
     tensor_parallel_plan: TensorParallelPlan = "auto"
     activation_checkpointing: Callable[[str, nn.Module], bool] | None = None
@@ -97,6 +122,7 @@ def levers_of(
     sharded_modules: ModulePolicy | None,
     reshard_after_forward: bool | int | None,
     cpu_offload: bool | Any,
+    keep_gathered_while_accumulating: bool = False,
     tensor_parallel_size: int,
     tensor_parallel_plan: TensorParallelPlan,
     sequence_parallel: bool,
@@ -110,9 +136,11 @@ def levers_of(
     from fabric_hsdp.tensor_parallel import validate_levers, validate_plan
 
     validate_levers(sequence_parallel, loss_parallel, validate_tensor_parallel_size(tensor_parallel_size))
+    reshard_after_forward = validate_keep_gathered(keep_gathered_while_accumulating, reshard_after_forward)
     return Levers(
         sharded_modules=module_matcher(sharded_modules, "sharded_modules"),
         reshard_after_forward=reshard_after_forward,
+        keep_gathered_while_accumulating=keep_gathered_while_accumulating,
         cpu_offload=cpu_offload,
         activation_checkpointing=module_matcher(activation_checkpointing, "activation_checkpointing"),
         tensor_parallel_plan=validate_plan(tensor_parallel_plan),

@@ -67,6 +67,11 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         sequence_parallel: Under TP, keep the activations between layers split by sequence.
         loss_parallel: Under TP, keep the logits split by vocabulary; use ``strategy.loss_parallel()`` for the loss.
         reshard_after_forward: FSDP2's option (``None``: FSDP2 decides).
+        keep_gathered_while_accumulating: Keep every unit's parameters gathered from the first forward of an
+            optimizer step to the last backward: inside ``fabric.no_backward_sync(model, enabled=True)`` the units
+            are not resharded after backward, and they are not resharded after forward (implies
+            ``reshard_after_forward=False``). One all-gather per step whatever the accumulation, for the memory
+            of the whole model unsharded in the compute dtype (per tensor-parallel rank).
         activation_checkpointing: Module classes (or a callable) whose activations are recomputed in backward.
         activation_checkpointing_mode: ``"full"`` (default), ``"selective"`` (matmul, attention and collective
             outputs kept) or an int ``k`` (every ``k``-th selected module).
@@ -100,6 +105,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         reshard_after_forward: bool | int | None = None,
+        keep_gathered_while_accumulating: bool = False,
         activation_checkpointing: ModulePolicy | None = None,
         activation_checkpointing_mode: Literal["full", "selective"] | int = "full",
         compile: bool | dict[str, Any] = False,
@@ -127,6 +133,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         self._levers = levers_of(
             sharded_modules=sharded_modules,
             reshard_after_forward=reshard_after_forward,
+            keep_gathered_while_accumulating=keep_gathered_while_accumulating,
             cpu_offload=cpu_offload,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_plan=tensor_parallel_plan,
@@ -147,7 +154,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             io_timeout=io_timeout,
         )
         self._timeout = timeout
-        self._backward_sync_control = ReplicaSyncControl()
+        self._backward_sync_control = ReplicaSyncControl(self._levers.keep_gathered_while_accumulating)
         self._sharded = ShardedModuleRegistry()
 
     @property

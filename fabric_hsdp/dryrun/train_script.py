@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--activation_checkpointing_mode", default="full", choices=["full", "selective"])
+    parser.add_argument("--keep_gathered_while_accumulating", action="store_true")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--seq_len", type=int, default=16)
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         shard_size=shard_size,
         tensor_parallel_size=args.tp,
         activation_checkpointing={block} if args.activation_checkpointing else None,
+        activation_checkpointing_mode=args.activation_checkpointing_mode,
+        keep_gathered_while_accumulating=args.keep_gathered_while_accumulating,
     )
     fabric = L.Fabric(
         accelerator=args.accelerator,

@@ -39,7 +39,12 @@ def verify_plan(args: Any, plan: Any) -> tuple[str, Any]:
     script_args += ["--optimizer", args.optimizer, "--num_nodes", str(args.num_nodes)]
     script_args += ["--devices", str(args.devices_per_node), "--steps", "1"]
     if row.recomputes:
-        script_args.append("--activation_checkpointing")
+        mode = row.training.checkpointing
+        if not isinstance(mode, str):
+            raise ValueError(f"--verify dry-runs full or selective recompute, not every {mode} blocks")
+        script_args += ["--activation_checkpointing", "--activation_checkpointing_mode", mode]
+    if row.keeps_gathered:
+        script_args.append("--keep_gathered_while_accumulating")
     if getattr(args, "lora_r", None):
         script_args += ["--lora_r", str(args.lora_r)]
     report = dry_run(

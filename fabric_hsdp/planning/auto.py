@@ -53,6 +53,7 @@ def planner_training(precision: str, workload: Workload | None, levers: Levers) 
         reshard_after_forward=None if reshard is None else bool(reshard),
         sequence_parallel=levers.sequence_parallel,
         loss_parallel=levers.loss_parallel,
+        keep_gathered_while_accumulating=levers.keep_gathered_while_accumulating,
     )
 
 

@@ -9,10 +9,13 @@ from fabric_hsdp.planning.memory import OPTIMIZERS
 from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN
 from fabric_hsdp.precision import PRECISION_DTYPES
 
-PLAN_HELP = """Which shard_size (and tensor_parallel_size) fits a model in device memory with the least traffic
-between nodes per step (with bandwidths: the shortest estimated step time, compute included), every layout at one
-global batch (--global_batch_size, else the devices x --micro_batch_size, stated in the output). Each layout runs it
-with the largest micro-batch that fits, and without activation checkpointing where it fits without.
+PLAN_HELP = """Which shard_size (and tensor_parallel_size) fits a model in device memory with the shortest estimated
+step time, compute and communication included (the bandwidths given, else a typical H100 node's, stated in the
+output), every layout at one global batch (--global_batch_size, else the devices x --micro_batch_size). Each layout
+weighs the levers experts pull: the largest micro-batch that fits (fewer micro-batches, fewer gathers per step),
+selective or full activation checkpointing where it lets a larger micro-batch fit, and the weights kept gathered for
+the step (one gather per step) where memory allows. The recommendation says which lever won and by how much, and
+names the runner-up.
 
 MODEL: a transformers config.json or its directory, a litgpt model_config.yaml or config name (e.g. Llama-2-7b-hf),
 or any checkpoint fabric-hsdp can open (shapes from its header; no tensor data is read). One row per layout the
@@ -53,10 +56,20 @@ def plan_parser() -> Any:
     )
     parser.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument(
-        "--activation_checkpointing", type=bool, default=False, help="allow recompute (used where needed to fit)"
+        "--activation_checkpointing",
+        type=bool | None,
+        default=None,
+        help="default: weigh none, selective and full per layout; true: only --activation_checkpointing_mode (where"
+        " needed to fit); false: never",
     )
     parser.add_argument(
         "--activation_checkpointing_mode", type=str, default="full", help="full, selective, none or k (every k-th)"
+    )
+    parser.add_argument(
+        "--keep_gathered_while_accumulating",
+        type=bool | None,
+        default=None,
+        help="default: weigh keeping the weights gathered for the step per layout; true: always; false: never",
     )
     parser.add_argument("--sequence_parallel", type=bool, default=False, help="sequence parallelism with TP")
     parser.add_argument("--loss_parallel", type=bool, default=False, help="vocabulary-sharded loss with TP")
@@ -118,12 +131,13 @@ def run_plan(args: Any) -> None:
     training = Training(
         precision=args.precision,
         workload=Workload(args.micro_batch_size, args.seq_len, args.optimizer),
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=bool(args.activation_checkpointing),
         cpu_offload=args.cpu_offload,
         reshard_after_forward=args.reshard_after_forward,
         activation_checkpointing_mode=args.activation_checkpointing_mode,
         sequence_parallel=args.sequence_parallel,
         loss_parallel=args.loss_parallel,
+        keep_gathered_while_accumulating=bool(args.keep_gathered_while_accumulating),
     )
     sizes = None if args.tensor_parallel_size is None else [args.tensor_parallel_size]
     model = load_model_shape(args.model)
@@ -133,7 +147,8 @@ def run_plan(args: Any) -> None:
         model = with_lora(model, args.lora_r, args.lora_targets)
     elif args.lora_targets is not None:
         raise ValueError("--lora_targets adapts the layers of a LoRA plan: pass --lora_r R with it.")
-    plan = make_plan(model, cluster, training, args.safety_margin, sizes, args.global_batch_size)
+    weigh = (args.activation_checkpointing is None, args.keep_gathered_while_accumulating is None)
+    plan = make_plan(model, cluster, training, args.safety_margin, sizes, args.global_batch_size, True, *weigh)
     error = no_fit_error(plan, args.tensor_parallel_size) if plan.recommended is None else None
     verify = args.verify and error is None  # the dry run's own module builds and runs it (fabric_hsdp/dryrun/verify.py)
     if args.json:

@@ -129,6 +129,8 @@ class Training:
             k-th block); ``"none"`` turns it off whatever ``activation_checkpointing`` says.
         cpu_offload: Sharded state in CPU memory.
         reshard_after_forward: As the strategy's (None: FSDP2's default).
+        keep_gathered_while_accumulating: As the strategy's: the whole model stays gathered for the step (one
+            gather per step whatever the accumulation; implies ``reshard_after_forward=False``).
         sequence_parallel: Sequence parallelism with TP (norms on sequence-sharded activations).
         loss_parallel: Vocabulary-sharded logits and loss with TP.
     """
@@ -141,9 +143,17 @@ class Training:
     activation_checkpointing_mode: str | int = "full"
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    keep_gathered_while_accumulating: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", validate_precision(self.precision))
+        if self.keep_gathered_while_accumulating:
+            if self.reshard_after_forward not in (None, False):
+                raise ValueError(
+                    f"keep_gathered_while_accumulating=True with reshard_after_forward={self.reshard_after_forward!r}:"
+                    " the first keeps the units gathered for the whole step, the second frees them after forward."
+                )
+            object.__setattr__(self, "reshard_after_forward", False)
         mode = parse_activation_checkpointing_mode(self.activation_checkpointing_mode)
         object.__setattr__(self, "activation_checkpointing_mode", mode)
         if mode == "none":
@@ -287,6 +297,8 @@ def memory_per_device(model: ModelShape, training: Training, fsdp_size: int, ten
     # the output head's gradient is unsharded from the start of backward until the root unit reduces its gradients
     gathered_bytes = gathered * compute + largest_root * compute + largest_layer * (compute + reduce)
     end_of_backward = unsharded[""] * (2 * compute + reduce)
+    if training.keep_gathered_while_accumulating:  # between micro-batches every unit stays gathered
+        end_of_backward = max(end_of_backward, gathered * compute + unsharded[""] * (compute + reduce))
     offloaded = training.cpu_offload
     return Memory(
         parameters=0 if offloaded else parameters,

@@ -2,21 +2,19 @@
 
 Every layout is compared at **one global batch** (the user's ``global_batch_size``, else the planner's stated
 default; see :mod:`~fabric_hsdp.planning.step`), so every row processes the same tokens per optimizer step. Each row
-runs it with the largest micro-batch that fits and without activation checkpointing where it fits without (the memory
-TP frees buys those), fewer micro-batches meaning fewer FSDP gathers per step. A row fits when its total, with the
-activation estimate counted 25 % over, is within the device memory less the safety margin.
+weighs the levers experts pull (issue #45): the largest micro-batch that fits (fewer micro-batches, fewer FSDP gathers
+per step), no, selective or full activation checkpointing where recompute lets a larger micro-batch fit, and the
+weights kept gathered for the step (one gather per step) where the memory allows; it runs the fastest option. A row
+fits when its total, with the activation estimate counted 25 % over, is within the device memory less the safety
+margin.
 
 The recommendation (and ``HybridFSDPStrategy(shard_size="auto")``, which uses the same function) among the rows that
-fit:
-
-* Without bandwidths: the fewest bytes between nodes per step (within 10 %: bytes cannot see what recompute and TP
-  cost in time); among those near-ties the one without recompute, then the smallest tensor-parallel size (TP adds
-  collectives to the critical path of every layer), then the fewest bytes, then the smallest shard group. On one
-  node nothing crosses nodes, so the tie-breaks decide.
-* With a bandwidth: the shortest estimated step time, compute included (within 2 %), then the same tie-breaks.
-
-The ranking and the ``recommended:`` line (why the winner won: its figure, and the best layout of every other
-tensor-parallel size with its figure and what costs it) are :mod:`~fabric_hsdp.planning.ranking`'s.
+fit: the shortest estimated step time, compute included, with the bandwidths given or, where one is not given, a
+stated typical interconnect (:data:`TYPICAL_FABRIC`); within 2 % the least TP, recompute and gathering, then (with an
+assumed bandwidth) the fewest bytes between nodes, then the smallest shard group. The ranking and the
+``recommended:`` line (why the winner won: its figure and whether it is compute-bound, the lever that won and by how
+much, the runner-up, and the best layout of every other tensor-parallel size) are
+:mod:`~fabric_hsdp.planning.ranking`'s.
 """
 
 from __future__ import annotations
@@ -28,12 +26,13 @@ from fabric_hsdp.errors import NoLayoutFitsError
 from fabric_hsdp.planning.layout import candidate_layouts, layout_summary
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
-from fabric_hsdp.planning.ranking import near_ties, reason, recommend
+from fabric_hsdp.planning.ranking import lever_cost, near_ties, reason, recommend
 from fabric_hsdp.planning.step import (
     ACTIVATION_HEADROOM,
     StepShape,
     batch_problem,
     default_global_batch,
+    describe_step,
     step_options,
     with_headroom,
 )
@@ -43,6 +42,12 @@ from fabric_hsdp.topology import Topology
 from fabric_hsdp.units import format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_SAFETY_MARGIN = 0.1
+# The interconnect assumed where none is given: an H100 node as DGX H100 / HGX H100 clusters (and AWS p5, Azure
+# ND H100 v5) build it, eight 400 Gbit/s InfiniBand or Ethernet NICs (one per GPU) and NVLink 4 at 450 GB/s per GPU
+# per direction. Stated in the plan's output.
+TYPICAL_INTER_NODE_BANDWIDTH = "3200Gbit/s"
+TYPICAL_INTRA_NODE_BANDWIDTH = "450GB/s"
+TYPICAL_FABRIC = "an H100 node's: 8 x 400 Gbit/s NICs (3200 Gbit/s) between nodes, NVLink 450 GB/s per device"
 
 
 @dataclass(frozen=True)
@@ -53,12 +58,15 @@ class Cluster:
         num_nodes: Nodes in the job.
         devices_per_node: Devices (ranks) per node.
         device_memory: Bytes per device (or a string like ``"80GB"``).
-        inter_node_bandwidth: Bytes/s each node can send to the others (or ``"400Gbit/s"``); optional.
-        intra_node_bandwidth: Bytes/s each device can send to the others of its node (or ``"450GB/s"``); optional.
+        inter_node_bandwidth: Bytes/s each node can send to the others (or ``"400Gbit/s"``); not given: the
+            typical H100 node's, :data:`TYPICAL_INTER_NODE_BANDWIDTH` (the plan says it assumed it).
+        intra_node_bandwidth: Bytes/s each device can send to the others of its node (or ``"450GB/s"``); not
+            given: :data:`TYPICAL_INTRA_NODE_BANDWIDTH`.
         backend: ``"nccl"`` or ``"gloo"`` (whose reduce-scatter is an all-reduce, twice the bytes).
-        device_flops: Peak FLOP/s per device in the compute dtype (or ``"989TFLOPS"``); with a bandwidth and no
-            value, an H100's dense bf16 peak (989 TFLOP/s) is assumed and the table says so.
+        device_flops: Peak FLOP/s per device in the compute dtype (or ``"989TFLOPS"``); no value: an H100's dense
+            bf16 peak (989 TFLOP/s) is assumed and the table says so.
         compute_efficiency: The fraction of ``device_flops`` the model's FLOPs run at (default 0.4).
+        assumed_bandwidths: Set by the cluster: the names of the bandwidths it assumed (not given).
     """
 
     num_nodes: int
@@ -69,13 +77,20 @@ class Cluster:
     backend: str = "nccl"
     device_flops: float | str | None = None
     compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY
-
-    @property
-    def timed(self) -> bool:
-        """Whether a bandwidth was given: the plan then ranks by estimated step time per token."""
-        return self.inter_node_bandwidth is not None or self.intra_node_bandwidth is not None
+    assumed_bandwidths: tuple[str, ...] = ()  # filled in: the bandwidths not given, assumed typical
 
     def __post_init__(self) -> None:
+        # kept through dataclasses.replace: a replanned cluster still says what was assumed
+        assumed = tuple(
+            name
+            for name in ("inter_node_bandwidth", "intra_node_bandwidth")
+            if getattr(self, name) is None or name in self.assumed_bandwidths
+        )
+        object.__setattr__(self, "assumed_bandwidths", assumed)
+        if self.inter_node_bandwidth is None:
+            object.__setattr__(self, "inter_node_bandwidth", TYPICAL_INTER_NODE_BANDWIDTH)
+        if self.intra_node_bandwidth is None:
+            object.__setattr__(self, "intra_node_bandwidth", TYPICAL_INTRA_NODE_BANDWIDTH)
         object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, "device_memory"))
         if self.device_flops is not None:
             object.__setattr__(self, "device_flops", parse_flops(self.device_flops))
@@ -98,8 +113,9 @@ class LayoutPlan:
     intra_node_seconds: float | None
     recommended: bool = False
     throughput: Throughput | None = None
-    training: Training | None = None  # the micro-batch and checkpointing this row runs
+    training: Training | None = None  # the micro-batch, checkpointing and gathering this row runs
     step: StepShape | None = None
+    options: tuple[LayoutPlan, ...] = ()  # every option of this layout that fits (the row's own included)
 
     @property
     def data_parallel_size(self) -> int:
@@ -108,6 +124,10 @@ class LayoutPlan:
     @property
     def recomputes(self) -> bool:
         return self.training is not None and self.training.checkpointing != "none"
+
+    @property
+    def keeps_gathered(self) -> bool:
+        return self.training is not None and self.training.keep_gathered_while_accumulating
 
     @property
     def total_with_headroom(self) -> int:
@@ -131,6 +151,8 @@ class Plan:
     global_batch_given: bool = False  # the user's; else the planner's default
     adapt: bool = True  # rows choose their micro-batch and checkpointing
     tensor_parallel_sizes: list[int] | None = None
+    weigh_recompute: bool = True  # rows weigh selective and full activation checkpointing
+    weigh_gathering: bool = True  # rows weigh keeping the weights gathered for the step
 
     @property
     def usable_memory(self) -> int:
@@ -149,6 +171,8 @@ def make_plan(
     tensor_parallel_sizes: list[int] | None = None,
     global_batch_size: int | None = None,
     adapt: bool = True,
+    weigh_recompute: bool = True,
+    weigh_gathering: bool = True,
 ) -> Plan:
     """Plan every layout the topology accepts (and the model can be split into) at one global batch; recommend one.
 
@@ -163,6 +187,10 @@ def make_plan(
             size, times the micro-batch; the table states it).
         adapt: Each row picks its micro-batch and checkpointing (see :mod:`~fabric_hsdp.planning.step`); False keeps
             ``training``'s (what ``shard_size="auto"`` does: the script's batch is fixed).
+        weigh_recompute: With ``adapt``, each row weighs no, selective and full activation checkpointing (else only
+            ``training``'s mode, where it needs it to fit).
+        weigh_gathering: With ``adapt``, each row weighs keeping the weights gathered for the step (one gather per
+            step) where that fits (else ``training``'s choice).
     """
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin={safety_margin!r} must be in [0, 1).")
@@ -180,7 +208,8 @@ def make_plan(
     for layout in candidate_layouts(cluster.num_nodes, per_node, tensor_parallel_sizes):
         problem = model.tensor_parallel_problem(layout.tensor_parallel_size)
         problem = problem or batch_problem(batch, layout.data_parallel_size)
-        row = None if problem else _plan_layout(model, cluster, training, layout, batch, usable, adapt)
+        weigh = (weigh_recompute, weigh_gathering)
+        row = None if problem else _plan_layout(model, cluster, training, layout, batch, usable, adapt, weigh)
         if row is None:
             problem = problem or (
                 f"micro-batch {training.workload.micro_batch_size} does not divide its"
@@ -189,8 +218,8 @@ def make_plan(
             skipped.append((layout, problem))
             continue
         rows.append(row)
-    plan = Plan(model, cluster, training, safety_margin, rows, skipped, None, "", batch, given, adapt, sizes)
-    best = recommend(rows, cluster.timed)
+    plan = Plan(model, cluster, training, safety_margin, rows, skipped, None, "", batch, given, adapt, sizes, *weigh)
+    best = recommend(rows, bool(cluster.assumed_bandwidths))
     if best is None:
         return plan
     rows = [replace(row, recommended=row is best) for row in rows]
@@ -199,29 +228,43 @@ def make_plan(
 
 
 def _plan_layout(
-    model: ModelShape, cluster: Cluster, training: Training, layout: Topology, batch: int, usable: float, adapt: bool
+    model: ModelShape,
+    cluster: Cluster,
+    training: Training,
+    layout: Topology,
+    batch: int,
+    usable: float,
+    adapt: bool,
+    weigh: tuple[bool, bool] = (False, False),
 ) -> LayoutPlan | None:
-    """The row of ``layout``: among its step options that fit, the cheapest (a near-tie: without recompute); when
-    none fits, the option with the least memory. None when it has no option (a fixed micro-batch that does not
-    divide its sequences)."""
+    """The row of ``layout``: among its step options that fit, the fastest (a near-tie: the least recompute, then
+    not kept gathered); when none fits, the option with the least memory. None when it has no option (a fixed
+    micro-batch that does not divide its sequences). ``weigh``: (recompute, gathering), see :func:`make_plan`."""
     data_parallel = layout.data_parallel_size
-    options = step_options(training, batch // data_parallel, adapt)
+    options = step_options(training, batch // data_parallel, adapt, *weigh)
     if not options:
         return None
-    candidates, seen_modes, last = [], set(), None
+    candidates, seen, last = [], set(), None
+    largest: dict[bool, int] = {}  # per gathering: the largest micro-batch that fits with less recompute
     for chosen, accumulation in options:
-        if chosen.checkpointing in seen_modes:
-            continue  # a larger micro-batch of this mode fits already: fewer gathers per step
+        kept = chosen.keep_gathered_while_accumulating
+        key = (chosen.checkpointing, kept)
+        if key in seen:
+            continue  # a larger micro-batch of these levers fits already: fewer gathers per step
         memory = memory_per_device(model, chosen, layout.fsdp_size, layout.tensor_parallel_size)
         fits = with_headroom(memory).total <= usable
         last = (chosen, accumulation, memory)
         if fits:
-            seen_modes.add(chosen.checkpointing)
+            seen.add(key)
+            if chosen.workload.micro_batch_size <= largest.get(kept, 0):
+                continue  # more recompute for no larger micro-batch: never faster
+            largest[kept] = chosen.workload.micro_batch_size
             candidates.append(_row(model, cluster, chosen, layout, batch, accumulation, memory, True))
     if not candidates:
         chosen, accumulation, memory = last
         return _row(model, cluster, chosen, layout, batch, accumulation, memory, False)
-    return min(near_ties(candidates, cluster.timed), key=lambda row: row.recomputes)
+    best = min(near_ties(candidates), key=lever_cost)
+    return replace(best, options=tuple(candidates))
 
 
 def _row(
@@ -288,7 +331,7 @@ def no_fit_error(plan: Plan, tensor_parallel_size: int | None = None) -> NoLayou
     smallest = min(plan.rows, key=lambda row: row.total_with_headroom)
     options = _more_nodes(plan, sizes)
     fitting_changes: list[frozenset[str]] = []
-    for labels, changed in _changes(training):
+    for labels, changed in _changes(training, weighed=plan.adapt and plan.weigh_recompute):
         if any(smaller <= labels for smaller in fitting_changes):
             continue  # a part of this combination fits already
         fitting = _replan(plan, sizes, training=changed).recommended
@@ -319,13 +362,15 @@ def _replan(plan: Plan, sizes: list[int] | None, **changes: Cluster | Training) 
     """``plan`` again with another cluster or training: the same global batch when the user gave it."""
     batch = plan.global_batch_size if plan.global_batch_given else None
     cluster, training = changes.get("cluster", plan.cluster), changes.get("training", plan.training)
-    return make_plan(plan.model, cluster, training, plan.safety_margin, sizes, batch, plan.adapt)
+    weigh = (plan.weigh_recompute, plan.weigh_gathering)
+    return make_plan(plan.model, cluster, training, plan.safety_margin, sizes, batch, plan.adapt, *weigh)
 
 
-def _changes(training: Training) -> list[tuple[frozenset[str], Training]]:
-    """Each change not already set, then their combinations, smallest first."""
+def _changes(training: Training, weighed: bool = False) -> list[tuple[frozenset[str], Training]]:
+    """Each change not already set (activation checkpointing only where the plan did not weigh it), then their
+    combinations, smallest first."""
     single: list[tuple[str, dict]] = []
-    if not training.activation_checkpointing:
+    if not training.activation_checkpointing and not weighed:
         single.append(("activation checkpointing", {"activation_checkpointing": True}))
     if not training.cpu_offload:
         single.append(("CPU offload", {"cpu_offload": True}))
@@ -353,7 +398,8 @@ def _more_nodes(plan: Plan, sizes: list[int] | None) -> list[str]:
 
 def _fit_summary(row: LayoutPlan) -> str:
     host = f", {format_bytes(row.memory.host)} CPU memory per device" if row.memory.host else ""
-    return f"{layout_summary(row.layout)}: {format_bytes(row.memory.total)} per device{host}"
+    step = f", {describe_step(row.training, row.step)}" if row.training is not None and row.step is not None else ""
+    return f"{layout_summary(row.layout)}{step}: {format_bytes(row.memory.total)} per device{host}"
 
 
 def _seconds(count: float, bandwidth: float | str | None) -> float | None:

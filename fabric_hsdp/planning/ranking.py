@@ -1,10 +1,14 @@
 """The ranking of a plan's rows and the sentence that says why the winner won.
 
-Every row runs the same global batch, so bytes and times per step compare directly. Without bandwidths the rows rank
-by the bytes the busiest node sends between nodes per step; bytes cannot see what recompute and tensor parallelism
-cost in time, so a row within 10 % that recomputes less or uses less TP wins. With a bandwidth they rank by the
-estimated step time, within 2 %. Near-ties go to the row without recompute, then the least TP, then (bytes) the
-fewest bytes, then the smallest shard group.
+Every row runs the same global batch, so times per step compare directly. The rows rank by the estimated step time
+(with the bandwidths given, else a stated typical interconnect), within 2 %. Near-ties go to the row with the least
+TP (its collectives sit on every layer's critical path, and it shrinks each device's matmuls, which the estimate
+does not count), then the least recompute (selective recomputes element-wise ops only, which the estimate does not
+count either), then not keeping the weights gathered (less memory), then (where a bandwidth was assumed: the
+estimate may be off) the fewest bytes between nodes, then the smallest shard group.
+
+The sentence names the lever that won (activation checkpointing by mode, weights kept gathered for the step, or
+none) and by how much against the best option without it, and the runner-up: the best row of another layout.
 """
 
 from __future__ import annotations
@@ -12,79 +16,78 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fabric_hsdp.planning.layout import layout_summary
-from fabric_hsdp.planning.step import ACTIVATION_HEADROOM, describe_step
+from fabric_hsdp.planning.step import ACTIVATION_HEADROOM, describe_step, recompute_rank
 from fabric_hsdp.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from fabric_hsdp.planning.plan import LayoutPlan, Plan
 
-_SAME_TRAFFIC = 0.02
-# bytes alone cannot see what recompute and tensor parallelism cost in time: without bandwidths a row with less of
-# them wins unless another sends more than 10 % fewer bytes
-_SAME_BYTES = 0.10
+_SAME_TIME = 0.02
 
 
-def _window(timed: bool) -> float:
-    return _SAME_TRAFFIC if timed else _SAME_BYTES
-
-
-def ranking_cost(row: LayoutPlan, timed: bool) -> float:
-    """What the recommendation minimises: seconds per step with bandwidths, else inter-node bytes per step (every
-    row runs the same global batch, so per step is per token)."""
+def ranking_cost(row: LayoutPlan) -> float:
+    """What the recommendation minimises: the estimated seconds per step (every row runs the same global batch, so
+    per step is per token)."""
     rates = row.throughput
-    if rates is None:  # a row built by hand: rank it last
+    if rates is None or rates.step_seconds is None:  # a row built by hand: rank it last
         return float("inf")
-    if timed:
-        return rates.step_seconds or 0.0
-    return row.traffic.inter_node_bytes
+    return rates.step_seconds
 
 
-def near_ties(rows: list[LayoutPlan], timed: bool) -> list[LayoutPlan]:
-    """The rows within the window of the cheapest (2 % of the step time, or 10 % of the bytes)."""
-    best = min(ranking_cost(row, timed) for row in rows)
-    return [row for row in rows if ranking_cost(row, timed) <= best * (1 + _window(timed))]
+def near_ties(rows: list[LayoutPlan]) -> list[LayoutPlan]:
+    """The rows within 2 % of the fastest."""
+    best = min(ranking_cost(row) for row in rows)
+    return [row for row in rows if ranking_cost(row) <= best * (1 + _SAME_TIME)]
 
 
-def recommend(rows: list[LayoutPlan], timed: bool = False) -> LayoutPlan | None:
-    """The recommended row among those that fit, or None (see the module docstring)."""
+def lever_cost(row: LayoutPlan) -> tuple[int, bool]:
+    """Among near-ties of one layout: the least recompute, then not kept gathered (the least memory)."""
+    return (recompute_rank(row.training), row.keeps_gathered) if row.training is not None else (0, False)
+
+
+def recommend(rows: list[LayoutPlan], assumed: bool = False) -> LayoutPlan | None:
+    """The recommended row among those that fit, or None (see the module docstring). ``assumed``: a bandwidth was
+    assumed, so among near-ties the fewest bytes between nodes come before the shard group."""
     fitting = [row for row in rows if row.fits]
     if not fitting:
         return None
-    near = near_ties(fitting, timed)
 
     def simplest(row: LayoutPlan) -> tuple:
-        # bytes' wider window only lets less recompute and TP win: among rows as simple, the fewest bytes
-        bytes_first = () if timed else (ranking_cost(row, timed),)
-        return (row.recomputes, row.layout.tensor_parallel_size, *bytes_first, row.layout.shard_size)
+        inter_node = (row.traffic.inter_node_bytes,) if assumed else ()
+        recompute, kept = lever_cost(row)
+        return (row.layout.tensor_parallel_size, recompute, kept, *inter_node, row.layout.shard_size)
 
-    return min(near, key=simplest)
+    return min(near_ties(fitting), key=simplest)
 
 
-def _figure(row: LayoutPlan, timed: bool) -> str:
+def _figure(row: LayoutPlan) -> str:
     """The ranked figure of ``row``, as the reason quotes it."""
-    if timed:
-        rates = row.throughput
-        per_second = f"~{rates.tokens_per_second:,.0f} tokens/s, MFU ~{rates.mfu:.0%}"
-        return f"{format_seconds(rates.step_seconds)} per step ({per_second})"
-    return f"{format_bytes(row.traffic.inter_node_bytes)} between nodes per step"
+    rates = row.throughput
+    per_second = f"~{rates.tokens_per_second:,.0f} tokens/s, MFU ~{rates.mfu:.0%}"
+    return f"{format_seconds(rates.step_seconds)} per step ({per_second})"
 
 
 def _costs(row: LayoutPlan, winner: LayoutPlan) -> str:
-    """What makes ``row`` dearer than ``winner``: its accumulation steps, its recompute."""
+    """What makes ``row`` dearer than ``winner``: its gathers per step, its recompute, its TP."""
     why = []
-    steps, best_steps = row.step.accumulation_steps, winner.step.accumulation_steps
-    if steps > best_steps:
-        why.append(f"its {steps} micro-batches per step gather the model {steps} times, against {best_steps}")
-    if row.recomputes and not winner.recomputes:
-        why.append("it recomputes the checkpointed layers' forward")
+    gathers, best_gathers = _gathers(row), _gathers(winner)
+    if gathers > best_gathers:
+        why.append(f"it gathers the model {gathers} times per step, against {best_gathers}")
+    if recompute_rank(row.training) > recompute_rank(winner.training):
+        why.append("it recomputes more of the checkpointed layers' forward")
     if row.layout.tensor_parallel_size > winner.layout.tensor_parallel_size:
         why.append("more tensor-parallel collectives on every layer's critical path")
     return "; ".join(why)
 
 
+def _gathers(row: LayoutPlan) -> int:
+    """All-gathers of the model per step: one per micro-batch, or one per step when kept gathered."""
+    return 1 if row.keeps_gathered else row.step.accumulation_steps
+
+
 def _alternatives(plan: Plan, row: LayoutPlan) -> list[str]:
     """The best row of each other tensor-parallel size: its figure and why it lost."""
-    timed, lines = plan.cluster.timed, []
+    lines = []
     for size in sorted({other.layout.tensor_parallel_size for other in plan.rows}):
         if size == row.layout.tensor_parallel_size:
             continue
@@ -98,40 +101,118 @@ def _alternatives(plan: Plan, row: LayoutPlan) -> list[str]:
                 f" {layout_summary(smallest.layout)}, {describe_step(smallest.training, smallest.step)})"
             )
             continue
-        best = min(fitting, key=lambda other: ranking_cost(other, timed))
-        ratio = ranking_cost(best, timed) / max(ranking_cost(row, timed), 1e-30)
-        costs = _costs(best, row)
-        lines.append(
-            f"{label}: at best {layout_summary(best.layout)}, {describe_step(best.training, best.step)},"
-            f" {_figure(best, timed)} ({ratio:.2f}x)" + (f": {costs}" if costs else "")
-        )
+        best = min(fitting, key=ranking_cost)
+        lines.append(f"{label}: at best {_versus(best, row)}")
     return lines
 
 
+def _versus(other: LayoutPlan, row: LayoutPlan) -> str:
+    """``other``'s layout, step and figure, its ratio to ``row``'s and what costs it."""
+    ratio = ranking_cost(other) / max(ranking_cost(row), 1e-30)
+    costs = _costs(other, row)
+    return (
+        f"{layout_summary(other.layout)}, {describe_step(other.training, other.step)}, {_figure(other)}"
+        f" ({ratio:.2f}x)" + (f": {costs}" if costs else "")
+    )
+
+
+def lever_name(row: LayoutPlan) -> str:
+    """The levers ``row`` pulls, in words, or ``"none"``."""
+    levers = []
+    mode = row.training.checkpointing
+    if mode != "none":
+        levers.append(f"{mode} activation checkpointing" if isinstance(mode, str) else f"recompute every {mode} blocks")
+    if row.keeps_gathered:
+        levers.append("weights kept gathered for the step")
+    return " + ".join(levers) or "none"
+
+
+def _without_levers(plan: Plan, row: LayoutPlan) -> LayoutPlan | None:
+    """The fastest option of any layout without ``row``'s levers (neither its recompute nor its gathering)."""
+    options = [
+        option
+        for other in plan.rows
+        for option in (other.options or ((other,) if other.fits else ()))
+        if not (option.keeps_gathered and row.keeps_gathered) and not (option.recomputes and row.recomputes)
+    ]
+    return min(options, key=ranking_cost, default=None)
+
+
+def _with_levers(plan: Plan) -> LayoutPlan | None:
+    """The fastest option of any layout that pulls a lever (recompute or gathering)."""
+    options = [
+        option
+        for other in plan.rows
+        for option in (other.options or ((other,) if other.fits else ()))
+        if option.recomputes or option.keeps_gathered
+    ]
+    return min(options, key=ranking_cost, default=None)
+
+
+def lever_sentence(plan: Plan, row: LayoutPlan) -> str:
+    """Which lever won and by how much: the winner against the best option without its levers; with none, the
+    best option with one against the winner."""
+    name = lever_name(row)
+    if name != "none":
+        without = _without_levers(plan, row)
+        if without is None:
+            return f"Lever: {name}, without which nothing fits"
+        ratio = ranking_cost(without) / max(ranking_cost(row), 1e-30)
+        them = "them" if " + " in name else "it"
+        return (
+            f"Lever: {name}, {ratio:.2f}x faster than the best without {them} ({layout_summary(without.layout)},"
+            f" {describe_step(without.training, without.step)}, {format_seconds(ranking_cost(without))} per step)"
+        )
+    pulled = _with_levers(plan)
+    if pulled is None:
+        return "Lever: none (no recompute or gathering fits better)"
+    ratio = ranking_cost(pulled) / max(ranking_cost(row), 1e-30)
+    return (
+        f"Lever: none; the best with one ({lever_name(pulled)}: {layout_summary(pulled.layout)},"
+        f" {describe_step(pulled.training, pulled.step)}) takes {format_seconds(ranking_cost(pulled))} per step"
+        f" ({ratio:.2f}x)"
+    )
+
+
+def runner_up(plan: Plan, row: LayoutPlan) -> LayoutPlan | None:
+    """The best fitting row of another layout."""
+    others = [other for other in plan.rows if other.fits and other.layout != row.layout]
+    return min(others, key=ranking_cost, default=None)
+
+
+def _bound(plan: Plan, row: LayoutPlan) -> str:
+    """Whether ``row``'s step is its compute's or its inter-node traffic's, by its own estimates."""
+    rates = row.throughput
+    inter = row.inter_node_seconds or 0.0
+    if rates.compute_seconds is None:
+        return ""
+    what = "communication-bound" if inter > rates.compute_seconds else "compute-bound"
+    return (
+        f", {what} (compute {format_seconds(rates.compute_seconds)}, inter-node traffic"
+        f" {format_bytes(row.traffic.inter_node_bytes)} in {format_seconds(inter)})"
+    )
+
+
 def reason(plan: Plan, row: LayoutPlan) -> str:
-    """Why ``row`` won: its step, its fit with the headroom, the rule and its figure, and what each other TP size's
-    best row would cost."""
-    timed = plan.cluster.timed
+    """Why ``row`` won: its step, its fit with the headroom, the rule and its figure, the lever that won and by how
+    much, the runner-up, and what each other TP size's best row would cost."""
     fits = (
         f"fits ({format_bytes(row.total_with_headroom)} of {format_bytes(plan.usable_memory)} usable per device,"
         f" the estimated activations counted {ACTIVATION_HEADROOM:.0%} over)"
     )
-    ranked = "the shortest estimated step time" if timed else "the fewest bytes between nodes per step"
-    if plan.cluster.num_nodes == 1 and not timed:
-        ranked = "nothing crosses nodes on one node: the least recompute, tensor parallelism and shard group"
-    else:
-        then = (
-            "the least recompute, tensor parallelism and shard group"
-            if timed
-            else ("the least recompute and tensor parallelism, the fewest bytes, the smallest shard group")
-        )
-        ranked += f" (within {_window(timed):.0%}, then {then})"
+    assumed = bool(plan.cluster.assumed_bandwidths)
+    then = "the least tensor parallelism, recompute and gathering" + (
+        ", the fewest bytes between nodes (the bandwidth is assumed)" if assumed else ""
+    )
+    ranked = f"the shortest estimated step time (within {_SAME_TIME:.0%}, then {then}, the smallest shard group)"
     why = f"{layout_summary(row.layout)}, {describe_step(row.training, row.step)}, {fits} and has {ranked}"
-    if not (plan.cluster.num_nodes == 1 and not timed):
-        why += f": {_figure(row, timed)}"
+    why += f": {_figure(row)}{_bound(plan, row)}"
     layout = row.layout
     if layout.shard_size <= layout.ranks_per_node and layout.replicate_size > 1 and layout.num_nodes > 1:
         why += ", only the gradient all-reduce of each shard crosses nodes"
+    why += f". {lever_sentence(plan, row)}"
+    second = runner_up(plan, row)
+    why += f". Runner-up: {_versus(second, row)}" if second is not None else ". Runner-up: none (no other layout fits)"
     alternatives = _alternatives(plan, row)
     if alternatives:
         why += ". Against it: " + "; ".join(alternatives)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fabric_hsdp.planning.layout import layout_summary
-from fabric_hsdp.planning.plan import LayoutPlan, Plan
+from fabric_hsdp.planning.plan import TYPICAL_FABRIC, LayoutPlan, Plan
 from fabric_hsdp.planning.step import ACTIVATION_HEADROOM
 from fabric_hsdp.planning.throughput import DEFAULT_DEVICE_FLOPS
 from fabric_hsdp.units import format_bytes, format_seconds
@@ -25,19 +25,17 @@ def plan_table(plan: Plan) -> str:
         f" {format_bytes(cluster.device_memory)} per device, {format_bytes(plan.usable_memory)} usable"
         f" ({plan.safety_margin:.0%} safety margin)" + _bandwidths(plan),
         f"training: {training.precision}, optimizer {workload.optimizer}, sequences of {workload.seq_len} tokens,"
-        f" activation checkpointing {_checkpointing(training)}"
-        f"{' where needed to fit' if plan.adapt and training.checkpointing != 'none' else ''},"
+        f" activation checkpointing {_weighed_checkpointing(plan)},"
+        f" weights kept gathered for the step {_weighed_gathering(plan)},"
         f" CPU offload {'on' if training.cpu_offload else 'off'},"
         f" reshard_after_forward={training.reshard_after_forward}" + _levers(training),
         _batch_line(plan),
-        *([_compute_line(plan)] if cluster.timed else []),
+        _compute_line(plan),
         "",
     ]
-    inter_timed, intra_timed = cluster.inter_node_bandwidth is not None, cluster.intra_node_bandwidth is not None
-    header = ["", "shard", "TP", "mesh", "DP", "micro x acc.", "AC", "params", "grads", "optim", "gathered", "activ.*"]
-    header += ["total", "+headroom", "fits", "inter-node/step", "inter-node/token", "intra-node/step"]
-    header += (["inter-node time"] if inter_timed else []) + (["intra-node time"] if intra_timed else [])
-    header += ["step time", "tokens/s", "MFU"] if cluster.timed else []
+    header = ["", "shard", "TP", "mesh", "DP", "micro x acc.", "AC", "kept", "params", "grads", "optim", "gathered"]
+    header += ["activ.*", "total", "+headroom", "fits", "inter-node/step", "inter-node/token", "intra-node/step"]
+    header += ["inter-node time", "intra-node time", "compute", "step time", "tokens/s", "MFU"]
     table = [header]
     for row in plan.rows:
         memory = row.memory
@@ -49,6 +47,7 @@ def plan_table(plan: Plan) -> str:
             str(row.data_parallel_size),
             f"{row.step.micro_batch_size} x {row.step.accumulation_steps}",
             _checkpointing(row.training),
+            "yes" if row.keeps_gathered else "no",
             *(format_bytes(value) for value in (memory.parameters, memory.gradients, memory.optimizer)),
             format_bytes(memory.gathered),
             format_bytes(memory.activations),
@@ -59,12 +58,11 @@ def plan_table(plan: Plan) -> str:
             format_bytes(row.traffic.inter_node_bytes / plan.tokens_per_step),
             format_bytes(row.traffic.intra_node_bytes),
         ]
-        if inter_timed:
-            cells.append(format_seconds(row.inter_node_seconds or 0.0))
-        if intra_timed:
-            cells.append(format_seconds(row.intra_node_seconds or 0.0))
+        cells.append(format_seconds(row.inter_node_seconds or 0.0))
+        cells.append(format_seconds(row.intra_node_seconds or 0.0))
         rates = row.throughput
-        if cluster.timed and rates is not None and rates.step_seconds is not None:
+        if rates is not None and rates.step_seconds is not None:
+            cells.append(format_seconds(rates.compute_seconds))
             cells += [format_seconds(rates.step_seconds), f"{rates.tokens_per_second:,.0f}", f"{rates.mfu:.0%}"]
         table.append(cells)
     widths = [max(len(cells[column]) for cells in table) for column in range(len(header))]
@@ -77,6 +75,7 @@ def plan_table(plan: Plan) -> str:
     lines.append("")
     if plan.recommended is not None:
         lines.append(f"recommended: {plan.reason}")
+        lines.append(f"run it:   {strategy_call(plan.recommended)}")
     else:
         lines.append("recommended: none (no layout fits; see the error below)")
     if training.cpu_offload and plan.recommended is not None:
@@ -90,19 +89,49 @@ def plan_table(plan: Plan) -> str:
     lines.append(ACTIVATIONS_NOTE)
     lines.append(
         f"  DP: data-parallel ranks (world / TP); micro x acc.: sequences per micro-batch x micro-batches per step"
-        f" (gradient accumulation), the largest micro-batch that fits; AC: activation checkpointing; +headroom: the"
+        f" (gradient accumulation), the largest micro-batch that fits; AC: activation checkpointing; kept: weights"
+        " kept gathered for the step (keep_gathered_while_accumulating=True: one gather per step); +headroom: the"
         f" total with the estimated activations counted {ACTIVATION_HEADROOM:.0%} over, what must fit;"
         " inter-node/step: bytes the busiest node sends to other nodes per optimizer step, /token: per token of"
         " the step; intra-node/step: bytes the busiest device sends within its node (ring collectives)"
-        + ("; time: those bytes over the bandwidth given, not overlapped" if inter_timed or intra_timed else "")
+        + "; time: those bytes over the bandwidth, not overlapped"
     )
-    if cluster.timed:
-        lines.append(
-            "  step time: max(compute, FSDP and replica traffic) + tensor-parallel traffic (on the critical path);"
-            " compute = (6 N + 12 L d s) FLOPs per token (+ recompute) at the stated efficiency; MFU: model FLOPs"
-            " over the peak (estimates, not measurements)"
-        )
+    lines.append(
+        "  step time: max(compute, FSDP and replica traffic) + tensor-parallel traffic (on the critical path);"
+        " compute = (6 N + 12 L d s) FLOPs per token (+ recompute: full AC the layers' forward, selective none of"
+        " the matmuls) at the stated efficiency; MFU: model FLOPs over the peak (estimates, not measurements)"
+    )
     return "\n".join(lines)
+
+
+def strategy_call(row: LayoutPlan) -> str:
+    """The strategy arguments (and the step) that run ``row``, as a user writes them."""
+    training, layout, step = row.training, row.layout, row.step
+    arguments = [f"shard_size={layout.shard_size}"]
+    if layout.tensor_parallel_size > 1:
+        arguments.append(f"tensor_parallel_size={layout.tensor_parallel_size}")
+        arguments += [f"{name}=True" for name in ("sequence_parallel", "loss_parallel") if getattr(training, name)]
+    mode = training.checkpointing
+    if mode != "none":
+        arguments.append("activation_checkpointing={<the block class>}")
+        if mode != "full":
+            arguments.append(f"activation_checkpointing_mode={mode!r}")
+    if training.keep_gathered_while_accumulating:
+        arguments.append("keep_gathered_while_accumulating=True")
+    elif training.reshard_after_forward is not None:
+        arguments.append(f"reshard_after_forward={training.reshard_after_forward}")
+    if training.cpu_offload:
+        arguments.append("cpu_offload=True")
+    steps = step.accumulation_steps
+    accumulate = (
+        f", {steps} micro-batches per step (fabric.no_backward_sync(model, enabled=True) on all but the last)"
+        if steps > 1
+        else ", one micro-batch per step"
+    )
+    return (
+        f"HybridFSDPStrategy({', '.join(arguments)}), Fabric(precision={training.precision!r}),"
+        f" micro-batches of {step.micro_batch_size} sequence{'s' if step.micro_batch_size > 1 else ''}" + accumulate
+    )
 
 
 def _batch_line(plan: Plan) -> str:
@@ -124,6 +153,19 @@ def _checkpointing(training: Any) -> str:
     if mode == "none":
         return "off"
     return "on" if mode == "full" else (f"every {mode} blocks" if isinstance(mode, int) else mode)
+
+
+def _weighed_checkpointing(plan: Plan) -> str:
+    if plan.adapt and plan.weigh_recompute:
+        return "weighed per layout (none, selective, full)"
+    mode = _checkpointing(plan.training)
+    return f"{mode} where needed to fit" if plan.adapt and mode != "off" else mode
+
+
+def _weighed_gathering(plan: Plan) -> str:
+    if plan.adapt and plan.weigh_gathering:
+        return "weighed per layout"
+    return "on" if plan.training.keep_gathered_while_accumulating else "off"
 
 
 def _levers(training: Any) -> str:
@@ -159,12 +201,11 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "inter_node_bandwidth": cluster.inter_node_bandwidth,
             "intra_node_bandwidth": cluster.intra_node_bandwidth,
             "backend": cluster.backend,
-            "device_flops": cluster.device_flops
-            if cluster.device_flops is not None or not cluster.timed
-            else DEFAULT_DEVICE_FLOPS,
+            "device_flops": cluster.device_flops if cluster.device_flops is not None else DEFAULT_DEVICE_FLOPS,
+            "assumed_bandwidths": list(cluster.assumed_bandwidths),
             "compute_efficiency": cluster.compute_efficiency,
         },
-        "ranked_by": "seconds per step" if cluster.timed else "inter-node bytes per step",
+        "ranked_by": "seconds per step",
         "global_batch_size": plan.global_batch_size,
         "global_batch_given": plan.global_batch_given,
         "tokens_per_step": plan.tokens_per_step,
@@ -180,6 +221,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "loss_parallel": training.loss_parallel,
             "cpu_offload": training.cpu_offload,
             "reshard_after_forward": training.reshard_after_forward,
+            "keep_gathered_while_accumulating": training.keep_gathered_while_accumulating,
         },
         "layouts": [_row_dict(row) for row in plan.rows],
         "skipped": [
@@ -187,6 +229,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             for layout, reason in plan.skipped
         ],
         "recommended": None if plan.recommended is None else _row_dict(plan.recommended),
+        "run_it": None if plan.recommended is None else strategy_call(plan.recommended),
         "reason": plan.reason or None,
     }
 
@@ -205,6 +248,7 @@ def _row_dict(row: LayoutPlan) -> dict[str, Any]:
         "micro_batch_size": None if row.step is None else row.step.micro_batch_size,
         "accumulation_steps": None if row.step is None else row.step.accumulation_steps,
         "activation_checkpointing_mode": None if row.training is None else row.training.checkpointing,
+        "keep_gathered_while_accumulating": row.keeps_gathered,
         "total_with_headroom": row.total_with_headroom,
         "bytes_per_device": {
             "parameters": memory.parameters,
@@ -232,9 +276,14 @@ def _row_dict(row: LayoutPlan) -> dict[str, Any]:
 
 
 def _bandwidths(plan: Plan) -> str:
-    parts = []
-    if plan.cluster.inter_node_bandwidth is not None:
-        parts.append(f"{format_bytes(plan.cluster.inter_node_bandwidth)}/s between nodes (per node)")
-    if plan.cluster.intra_node_bandwidth is not None:
-        parts.append(f"{format_bytes(plan.cluster.intra_node_bandwidth)}/s within a node (per device)")
-    return ("; " + ", ".join(parts)) if parts else ""
+    cluster = plan.cluster
+    parts = [
+        f"{format_bytes(cluster.inter_node_bandwidth)}/s between nodes (per node)",
+        f"{format_bytes(cluster.intra_node_bandwidth)}/s within a node (per device)",
+    ]
+    text = "; " + ", ".join(parts)
+    if cluster.assumed_bandwidths:
+        given = {"inter_node_bandwidth": "--inter_node_bandwidth", "intra_node_bandwidth": "--intra_node_bandwidth"}
+        flags = " and ".join(given[name] for name in cluster.assumed_bandwidths)
+        text += f" (assumed, not given: {TYPICAL_FABRIC}; pass {flags})"
+    return text

@@ -6,10 +6,12 @@ micro-batch), so the rows do the same work and their bytes and times compare dir
 ranks gives each ``n = G / D`` sequences per step (a layout whose ``D`` does not divide ``G`` is skipped with the
 reason); it runs them as ``a = n / m`` micro-batches of ``m`` sequences.
 
-Tensor parallelism frees memory (a ``T``-th of the gathered layers and of the split activations): with ``adapt`` the
-planner spends it on the largest micro-batch that fits (fewer micro-batches: fewer FSDP gathers per step) and on
-fewer recomputes (activation checkpointing off where the layout fits without it). Without ``adapt`` (the strategy's
-``shard_size="auto"``, whose micro-batch is the script's) the micro-batch and checkpointing are the user's.
+Tensor parallelism and recompute free memory (a ``T``-th of the gathered layers and of the split activations; the
+activations recompute does not keep): with ``adapt`` the planner spends it on the largest micro-batch that fits
+(fewer micro-batches: fewer FSDP gathers per step), per checkpointing mode (:func:`checkpointing_modes`) and with or
+without the weights kept gathered for the step; the plan takes the fastest of these options. Without ``adapt`` (the
+strategy's ``shard_size="auto"``, whose micro-batch is the script's) the micro-batch, checkpointing and gathering are
+the user's.
 
 "Fits" keeps headroom for what is estimated: the activations (an estimate, see :mod:`~fabric_hsdp.planning.memory`)
 count :data:`ACTIVATION_HEADROOM` more; the exact sharded state does not.
@@ -61,27 +63,65 @@ def with_headroom(memory: Memory, headroom: float = ACTIVATION_HEADROOM) -> Memo
     return replace(memory, activations=int(memory.activations * (1 + headroom)))
 
 
-def step_options(training: Training, sequences_per_rank: int, adapt: bool) -> list[tuple[Training, int]]:
+def step_options(
+    training: Training,
+    sequences_per_rank: int,
+    adapt: bool,
+    weigh_recompute: bool = False,
+    weigh_gathering: bool = False,
+) -> list[tuple[Training, int]]:
     """The (training, accumulation steps) a layout may run its ``sequences_per_rank`` with, the least memory last.
 
-    With ``adapt``: every micro-batch that divides ``sequences_per_rank`` (largest first), without activation
-    checkpointing and then with the user's (when on). Else only the user's micro-batch and checkpointing (none
-    when it does not divide ``sequences_per_rank``).
+    With ``adapt``: every micro-batch that divides ``sequences_per_rank`` (largest first), for each checkpointing
+    mode (:func:`checkpointing_modes`) and, with ``weigh_gathering``, with the weights kept gathered for the step
+    (where the step has several micro-batches) and without. Else only the user's micro-batch, checkpointing and
+    gathering (none when the micro-batch does not divide ``sequences_per_rank``).
     """
     workload = training.workload
     if not adapt:
         if sequences_per_rank % workload.micro_batch_size:
             return []
         return [(training, sequences_per_rank // workload.micro_batch_size)]
-    checkpointing = [replace(training, activation_checkpointing=False)]
-    if training.activation_checkpointing:
-        checkpointing.append(training)
+    gathering = [training.keep_gathered_while_accumulating]
+    weighed = weigh_gathering and training.reshard_after_forward is not True and not training.cpu_offload
+    if weighed:
+        gathering = [True, False]  # kept gathered needs more memory: tried first, so the last option is the least
+    checkpointing = [
+        replace(training, activation_checkpointing=mode != "none", activation_checkpointing_mode=mode)
+        if mode != "none"
+        else replace(training, activation_checkpointing=False)
+        for mode in checkpointing_modes(training, weigh_recompute)
+    ]
     sizes = [size for size in range(sequences_per_rank, 0, -1) if sequences_per_rank % size == 0]
     return [
-        (replace(chosen, workload=replace(workload, micro_batch_size=size)), sequences_per_rank // size)
+        (
+            replace(chosen, workload=replace(workload, micro_batch_size=size), keep_gathered_while_accumulating=keep),
+            sequences_per_rank // size,
+        )
+        for keep in gathering
         for chosen in checkpointing
         for size in sizes
+        # weighed, the lever is what it is for: keeping the weights across micro-batches (one micro-batch per step
+        # kept gathered is reshard_after_forward=False, the user's to choose)
+        if not (keep and weighed and size == sequences_per_rank)
     ]
+
+
+def checkpointing_modes(training: Training, weigh_recompute: bool) -> list[str | int]:
+    """The activation checkpointing modes a row may choose, the least recompute first and the least memory last:
+    none; with ``weigh_recompute`` selective and full (and the user's every-k-th, between them), else the user's
+    mode when checkpointing is on."""
+    user = training.checkpointing
+    if not weigh_recompute:
+        return ["none"] + ([user] if user != "none" else [])
+    return ["none", "selective", *([user] if isinstance(user, int) else []), "full"]
+
+
+def recompute_rank(training: Training) -> int:
+    """How much a mode recomputes, for the tie-breaks: none 0, selective 1 (element-wise ops only), every k-th
+    block 2, full 3 (the whole forward of every block)."""
+    mode = training.checkpointing
+    return {"none": 0, "selective": 1, "full": 3}.get(mode, 2) if isinstance(mode, str) else 2
 
 
 def describe_step(training: Training, step: StepShape) -> str:
@@ -89,7 +129,8 @@ def describe_step(training: Training, step: StepShape) -> str:
     mode = training.checkpointing
     checkpointing = "off" if mode == "none" else ("on" if mode == "full" else str(mode))
     steps = step.accumulation_steps
+    kept = ", weights kept gathered for the step" if training.keep_gathered_while_accumulating else ""
     return (
         f"micro-batch {step.micro_batch_size} x {steps} accumulation step{'s' if steps > 1 else ''},"
-        f" activation checkpointing {checkpointing}"
+        f" activation checkpointing {checkpointing}{kept}"
     )

@@ -12,7 +12,8 @@ tied; of a mixture-of-experts layer's experts, fused 3-D or one module each, the
 to: ``k / E`` of their parameters, the active ones), ``L`` layers, ``d`` the attention width (heads x head dim), ``s``
 the sequence length. A frozen weight (a LoRA model's base) needs no weight gradient: ``4`` FLOPs per parameter per
 token instead of ``6``. The hardware also runs the forward again for every checkpointed layer (full AC; selective AC
-recomputes only element-wise ops, counted as none). A device's compute per step is its TP group's tokens' FLOPs over
+recomputes only element-wise ops, counted as none: they are memory-bound, not FLOPs, and not measured here; among
+near-ties the ranking prefers less recompute). A device's compute per step is its TP group's tokens' FLOPs over
 ``T``, at ``device_flops x efficiency``.
 
 Step time (an estimate, stated in the table): FSDP's gathers and reduce-scatters and the replicas' all-reduce overlap
@@ -60,7 +61,8 @@ def parse_flops(rate: float | int | str, what: str = "device_flops") -> float:
 
 @dataclass(frozen=True)
 class Throughput:
-    """Per token and per second figures of one layout. Times are None without bandwidths."""
+    """Per token and per second figures of one layout. Times are None without bandwidths (a plan's cluster always
+    has them: given or assumed)."""
 
     data_parallel_size: int
     tokens_per_step: int

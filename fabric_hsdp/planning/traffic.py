@@ -12,7 +12,9 @@ and TP degree ``T``:
   forward (all layers by default; the root too with ``reshard_after_forward=True``; none with ``False``), in the
   compute dtype; a reduce-scatter of every unit's gradients in the reduce dtype (trainable parameters only: a LoRA
   model's frozen base has none); all of it once per micro-batch (FSDP2 gathers again for every forward, and
-  ``fabric.no_backward_sync`` keeps the reduce-scatter: see ``fabric_hsdp/gradients.py``).
+  ``fabric.no_backward_sync`` keeps the reduce-scatter: see ``fabric_hsdp/gradients.py``). With
+  ``keep_gathered_while_accumulating`` the units stay gathered for the whole step: one all-gather of every unit per
+  step (none in backward), the reduce-scatter still once per micro-batch.
 * Replication (``replicate`` groups): an all-reduce of each rank's gradient shard (trainable parameters only), once
   per optimizer step (``no_backward_sync`` skips it between micro-batches).
 * Tensor parallelism (``tensor`` groups, always inside a node): per layer one all-reduce of the activations
@@ -68,10 +70,11 @@ def traffic_per_step(
         reduced += size.trainable_unsharded * training.reduce_bytes  # frozen parameters have no gradient
         shard += size.trainable_local * training.reduce_bytes
     reduce_scatter_factor = 2.0 if backend == "gloo" else 1.0
+    # kept gathered for the step: gathered once, whatever the accumulation (and never again in backward)
+    gathers = 1 if training.keep_gathered_while_accumulating else accumulation_steps
     per_edge = {
-        SHARD_DIM: accumulation_steps
-        * _ring(fsdp)
-        * (gathered_forward + gathered_backward + reduce_scatter_factor * reduced),
+        SHARD_DIM: _ring(fsdp)
+        * (gathers * (gathered_forward + gathered_backward) + accumulation_steps * reduce_scatter_factor * reduced),
         REPLICATE_DIM: 2 * _ring(layout.replicate_size) * shard,
         TENSOR_DIM: accumulation_steps * _tensor_parallel_edge_bytes(model, training, tensor),
     }

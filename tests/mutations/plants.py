@@ -654,8 +654,9 @@ PLANTS: dict[str, Plant] = {
         "each row runs one micro-batch per data-parallel rank: TP rows run T times fewer tokens per step",
         (
             (
-                "training, layout, batch, usable, adapt)",
-                "training, layout, layout.data_parallel_size * training.workload.micro_batch_size, usable, adapt)",
+                "training, layout, batch, usable, adapt, weigh)",
+                "training, layout, layout.data_parallel_size * training.workload.micro_batch_size, usable, adapt,"
+                " weigh)",
             ),
         ),
         (
@@ -667,7 +668,12 @@ PLANTS: dict[str, Plant] = {
     "34d": Plant(
         "every micro-batch gathers the model again (#34)",
         "gradient accumulation's micro-batches are free: FSDP traffic counted once per optimizer step",
-        (("        SHARD_DIM: accumulation_steps\n", "        SHARD_DIM: 1\n"),),
+        (
+            (
+                "    gathers = 1 if training.keep_gathered_while_accumulating else accumulation_steps\n",
+                "    gathers = 1\n",
+            ),
+        ),
         ("tests/planning/test_expert.py",),
     ),
     "34e": Plant(
@@ -695,8 +701,8 @@ PLANTS: dict[str, Plant] = {
         "activation checkpointing, once allowed, stays on in every row",
         (
             (
-                "    checkpointing = [replace(training, activation_checkpointing=False)]\n",
-                "    checkpointing = [] if training.activation_checkpointing else [training]\n",
+                '    return ["none", "selective", *([user] if isinstance(user, int) else []), "full"]\n',
+                '    return ["selective", *([user] if isinstance(user, int) else []), "full"]\n',
             ),
         ),
         (
@@ -1477,5 +1483,184 @@ PLANTS: dict[str, Plant] = {
             "tests/test_gpu_check.py::"
             "test_the_save_figures_time_the_staging_through_its_copies_and_the_step_after_a_save_without_a_sync",
         ),
+    ),
+    "45a": Plant(
+        "weights kept gathered across the micro-batches of a step (#45)",
+        "no_backward_sync reshards after backward anyway: every micro-batch gathers the model again",
+        (
+            (
+                "            unit.set_reshard_after_backward(False, recurse=False)\n",
+                "            unit.set_reshard_after_backward(True, recurse=False)\n",
+            ),
+        ),
+        ("tests/test_gradients.py::test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process",),
+    ),
+    "45b": Plant(
+        "weights kept gathered: not resharded after forward either (#45)",
+        "keep_gathered_while_accumulating leaves reshard_after_forward as given: each backward gathers the layers",
+        (
+            (
+                "    return False\n\n\n@dataclass\nclass Levers:",
+                "    return reshard_after_forward\n\n\n@dataclass\nclass Levers:",
+            ),
+        ),
+        ("tests/test_gradients.py::test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process",),
+    ),
+    "45c": Plant(
+        "keep_gathered_while_accumulating with reshard_after_forward=True is refused (#45)",
+        "the contradiction is accepted silently (reshard_after_forward=True is dropped)",
+        (("    if reshard_after_forward not in (None, False):\n        raise", "    if False:\n        raise"),),
+        ("tests/test_gradients.py::test_kept_gathered_weights_refuse_resharding_after_forward",),
+    ),
+    "45d": Plant(
+        "kept gathered weights gather once per step (#45)",
+        "the planner counts a kept-gathered step's gathers once per micro-batch, as if resharded",
+        (
+            (
+                "    gathers = 1 if training.keep_gathered_while_accumulating else accumulation_steps\n",
+                "    gathers = accumulation_steps\n",
+            ),
+        ),
+        (
+            "tests/planning/test_weighed_levers.py::test_kept_gathered_weights_gather_once_per_step",
+            "tests/planning/test_weighed_levers.py::test_each_layout_weighs_the_levers",
+        ),
+    ),
+    "45e": Plant(
+        "kept gathered weights hold the whole model (#45)",
+        "the planner's Training keeps reshard_after_forward as given with the weights kept gathered: 2 layers counted",
+        (
+            (
+                '            object.__setattr__(self, "reshard_after_forward", False)\n',
+                "            pass\n",
+            ),
+        ),
+        ("tests/planning/test_weighed_levers.py::test_kept_gathered_weights_hold_the_whole_model",),
+    ),
+    "45f": Plant(
+        "selective recompute is weighed without being asked (#45)",
+        "the rows weigh no and full recompute only",
+        (
+            (
+                '    return ["none", "selective", *([user] if isinstance(user, int) else []), "full"]\n',
+                '    return ["none", *([user] if isinstance(user, int) else []), "full"]\n',
+            ),
+        ),
+        (
+            "tests/planning/test_weighed_levers.py::test_recompute_is_weighed_without_being_asked",
+            "tests/planning/test_weighed_levers.py::test_the_70b_answer_is_not_communication_bound",
+        ),
+    ),
+    "45g": Plant(
+        "full recompute costs its forward (#45)",
+        "full recompute is costed as selective: no extra compute",
+        (
+            (
+                '    recomputed = 0.0 if training.checkpointing == "selective" else'
+                " training.checkpointed_layers(dims.num_layers)\n",
+                "    recomputed = 0.0\n",
+            ),
+        ),
+        ("tests/planning/test_weighed_levers.py::test_recompute_is_weighed_without_being_asked",),
+    ),
+    "45h": Plant(
+        "a step time always, on a stated interconnect (#45)",
+        "no inter-node bandwidth is assumed when none is given",
+        (
+            (
+                "        if self.inter_node_bandwidth is None:\n"
+                '            object.__setattr__(self, "inter_node_bandwidth", TYPICAL_INTER_NODE_BANDWIDTH)\n',
+                "",
+            ),
+        ),
+        ("tests/planning/test_weighed_levers.py::test_a_step_time_always_on_a_stated_interconnect",),
+    ),
+    "45i": Plant(
+        "the recommendation names the lever that won (#45)",
+        "the lever sentence is left out of the recommended line",
+        (
+            (
+                '    why += f". {lever_sentence(plan, row)}"\n',
+                "",
+            ),
+        ),
+        (
+            "tests/planning/test_weighed_levers.py::test_the_70b_answer_is_not_communication_bound",
+            "tests/planning/test_expert.py::test_the_output_says_why_the_winner_won",
+        ),
+    ),
+    "45j": Plant(
+        "the recommendation names the runner-up (#45)",
+        "no runner-up is named",
+        (
+            (
+                "    second = runner_up(plan, row)\n",
+                "    second = None\n",
+            ),
+        ),
+        (
+            "tests/planning/test_weighed_levers.py::test_the_70b_answer_is_not_communication_bound",
+            "tests/planning/test_expert.py::test_the_output_says_why_the_winner_won",
+        ),
+    ),
+    "45k": Plant(
+        "near-ties go to the least TP before the least recompute (#45)",
+        "near-ties go to the least recompute first: the 8B recipe at 8192 tokens gets TP 2",
+        (
+            (
+                "        return (row.layout.tensor_parallel_size, recompute, kept, *inter_node,"
+                " row.layout.shard_size)\n",
+                "        return (recompute, row.layout.tensor_parallel_size, kept, *inter_node,"
+                " row.layout.shard_size)\n",
+            ),
+        ),
+        ("tests/planning/test_expert.py::test_torchtitans_published_recipes",),
+    ),
+    "45l": Plant(
+        "an assumed fabric's near-ties go to the fewest bytes between nodes (#45)",
+        "without bandwidths the near-ties skip the bytes: the 8B gets half-node shard groups",
+        (
+            (
+                "        inter_node = (row.traffic.inter_node_bytes,) if assumed else ()\n",
+                "        inter_node = ()\n",
+            ),
+        ),
+        (
+            "tests/planning/test_weighed_levers.py::test_a_step_time_always_on_a_stated_interconnect",
+            "tests/planning/test_expert.py::test_the_recommendation_is_the_experts",
+        ),
+    ),
+    "45m": Plant(
+        "the weights are kept gathered across micro-batches, not at one micro-batch per step (#45)",
+        "the planner weighs keeping them gathered at one micro-batch per step too (reshard_after_forward=False)",
+        (
+            (
+                "        if not (keep and weighed and size == sequences_per_rank)\n",
+                "        if True\n",
+            ),
+        ),
+        ("tests/planning/test_expert.py::test_the_recommendation_is_the_experts",),
+    ),
+    "45n": Plant(
+        "fabric-hsdp plan weighs the levers unless told (#45)",
+        "the CLI never weighs the levers",
+        (
+            (
+                "    weigh = (args.activation_checkpointing is None, args.keep_gathered_while_accumulating is None)\n",
+                "    weigh = (False, False)\n",
+            ),
+        ),
+        ("tests/planning/test_weighed_levers.py::test_the_cli_weighs_unless_told",),
+    ),
+    "45o": Plant(
+        "the recommendation says the strategy arguments that run it (#45)",
+        "the run-it line leaves out keep_gathered_while_accumulating=True",
+        (
+            (
+                '        arguments.append("keep_gathered_while_accumulating=True")\n',
+                "        pass\n",
+            ),
+        ),
+        ("tests/planning/test_weighed_levers.py::test_the_recommendation_says_the_strategy_arguments_that_run_it",),
     ),
 }

@@ -1,10 +1,12 @@
 """The layouts an expert picks for Llama-3 8B and 70B on 2 x 8 and 16 x 8 x 80 GB, with a slow and a fast inter-node
-fabric, from both config sources (issue #34).
+fabric, from both config sources (issue #34), and torchtitan's published Llama 3 8B/70B/405B recipes (issue #45).
 
 The expected answers are written as an expert gives them, not computed by the test, each with its reasoning beside
 it. Every layout runs the same global batch (issue #34: the rows used to run different batches, 262,144 down to
 32,768 tokens per step, and the per-token rule could never pick TP), with the micro-batch and recompute the memory
-allows. The MoE rows (Qwen3-MoE) follow the Llama ones.
+allows; each row weighs no, selective and full recompute and the weights kept gathered for the step (#45). Without
+bandwidths the planner assumes an H100 node's (3200 Gbit/s between nodes, NVLink 450 GB/s). The MoE rows (Qwen3-MoE)
+follow the Llama ones.
 """
 
 import json
@@ -39,7 +41,11 @@ EXPERT_TABLE = {
     # link; no TP (the 2048-token micro-batch fits, and TP only adds collectives on every layer), no recompute.
     ("8B", 2, "slow"): (8, 1, (2, 8), 1, 1, "none"),
     ("8B", 16, "slow"): (8, 1, (16, 8), 1, 1, "none"),
+    # Without bandwidths (the planner assumes an H100 node's fabric, 3200 Gbit/s): every shard group that fits is
+    # compute-bound at 250 ms, and with a bandwidth assumed the near-tie goes to the fewest bytes between nodes, a
+    # copy per node, as before #45 (when no bandwidth meant ranking by bytes).
     ("8B", 2, "no bandwidth given"): (8, 1, (2, 8), 1, 1, "none"),
+    ("8B", 16, "no bandwidth given"): (8, 1, (16, 8), 1, 1, "none"),
     # With a fast fabric the gradient all-reduce hides under the compute whatever the shard group, so the smallest
     # group that fits (half a node: 32 GB of state per GPU) gathers over 4 GPUs instead of 8; still no TP.
     ("8B", 2, "fast"): (4, 1, (4, 4), 1, 1, "none"),
@@ -48,28 +54,61 @@ EXPERT_TABLE = {
     ("70B", 2, "slow"): None,
     ("70B", 2, "fast"): None,
     # Slow fabric: every layout sends ~the model's bytes per node per gather (TP does not cut a node's share), so
-    # the step is the fabric's: one micro-batch per step is the floor, reached without TP with recompute (which
-    # hides under the communication); FSDP over all ranks, no TP.
-    ("70B", 16, "slow"): (128, 1, (1, 128), 1, 1, "full"),
-    # Without bandwidths the same by bytes: TP 8 sends ~6 % fewer (smaller rings), not enough to pay its collectives.
-    ("70B", 16, "no bandwidth given"): (128, 1, (1, 128), 1, 1, "full"),
-    # Fast fabric: the gathers hide under the compute, so recompute (a third more compute with full AC) is the cost
-    # to avoid. TP 2 halves the activations and the gathered layers: a sequence fits without recompute; its two
-    # micro-batches per step gather twice, hidden too. FSDP over all ranks, TP 2 inside the node.
-    ("70B", 16, "fast"): (128, 2, (1, 64, 2), 1, 2, "none"),
+    # the step is the fabric's (11.1 s against 2.2-3.0 s of compute): one micro-batch per step is the floor. Without
+    # TP a sequence fits with selective recompute (66.9 of 72.0 GB), which recomputes no matmul: 11.12 s, the same
+    # as full recompute and as TP 2-8 with full recompute (11.10-11.11 s, within 2 %); the least TP, then the least
+    # recompute. FSDP over all ranks, no TP, selective (#45; #34 had full: selective was not weighed).
+    ("70B", 16, "slow"): (128, 1, (1, 128), 1, 1, "selective"),
+    # Without bandwidths the planner assumes an H100 node's fabric (3200 Gbit/s): the fast row's answer.
+    ("70B", 16, "no bandwidth given"): (128, 1, (1, 128), 1, 1, "selective"),
+    # Fast fabric: selective recompute lets one sequence fit without TP (66.9 GB): one gather per step, 556 GB
+    # between nodes in 1.39 s under 2.24 s of compute: compute-bound, 2.24 s. #34's answer, TP 2 without recompute,
+    # needs two micro-batches (two gathers: 1.10 TB in 2.76 s over the same compute): 2.82 s, 1.26x slower.
+    ("70B", 16, "fast"): (128, 1, (1, 128), 1, 1, "selective"),
 }
 
-# torchtitan's Llama 3 70B recipe at 16 x 8: a global batch of 64 sequences of 8192, TP with sequence and loss
-# parallel. 64 sequences cannot split over 128 data-parallel ranks: TP is needed at all.
+# torchtitan's Llama 3 70B global batch (64 sequences of 8192) at 16 x 8, TP with sequence and loss parallel. 64
+# sequences cannot split over 128 data-parallel ranks: TP is needed at all.
 TORCHTITAN = {
-    # Fast fabric: TP 8 inside the node splits every activation 8 ways (sequence parallel), so a whole 8192-token
-    # sequence fits without recompute; the gathers (4 micro-batches per step) hide under the compute; HSDP with a
-    # copy per 8 nodes. torchtitan's layout.
-    "fast": (64, 8, (2, 8, 8), 1, 4, "none"),
+    # Fast fabric: TP 4 splits the activations 4 ways and selective recompute keeps a sequence within 72 GB: two
+    # micro-batches per step, 5.34 s (compute 4.99 s, inter-node 2.71 s). #34's TP 8 without recompute runs four
+    # micro-batches (four gathers) and more TP collectives. HSDP with a copy per 8 nodes.
+    "fast": (64, 4, (2, 16, 4), 1, 2, "selective"),
     # Slow fabric: the gathers are the step, so the fewest micro-batches per step: TP 2 (the least TP that gives
     # each data-parallel rank a whole sequence) with recompute, one gather per step.
     "slow": (128, 2, (1, 64, 2), 1, 1, "full"),
 }
+
+
+# torchtitan's published Llama 3 recipes (torchtitan/models/llama3/train_configs/*.toml, read at the commit before
+# #2386 moved them into Python; all at seq_len 8192, global batch = local_batch_size x data-parallel ranks, no
+# accumulation, TP with torchtitan's sequence and loss parallel). Each: the planner's answer at the recipe's cluster
+# and global batch, and the recipe's own layout as the planner estimates it. A100s: 312 TFLOP/s bf16, NVLink 300 GB/s
+# per GPU, 8 x 200 Gbit/s HDR per node (DGX A100); H100s: the planner's typical node.
+# -> (planner: shard_size, TP, mesh, micro-batch, accumulation, checkpointing; the recipe's estimated step time over
+#    the planner's)
+TORCHTITAN_RECIPES = {
+    # llama3_8b.toml, "64 A100 GPUs": FSDP over all 64, TP 1, local batch 1, selective AC. Matched but for the shard
+    # group: a sequence of 8192 fits only with recompute (selective, as the recipe), one micro-batch per step; both
+    # are compute-bound at 3.80 s (FSDP-64 sends 0.31 s between nodes, HSDP 0.28 s), so the near-tie goes to the
+    # smallest shard group, HSDP with a copy per node (its gathers stay on NVLink).
+    "8B": (("Llama-3-8B", 8, "A100", 64, 1, 64, 1, "selective"), ((8, 1, (8, 8), 1, 1, "selective"), 1.00)),
+    # llama3_70b.toml, "64 A100 GPUs": TP 8, FSDP 8, local batch 8, full AC. Explained: the recipe fits (45.9 GB)
+    # but full AC recomputes every layer's forward (42.0 s of compute, 45.5 s per step); TP 4 over FSDP 16 fits a
+    # sequence with selective recompute (62.4 GB) in four micro-batches: 31.6 s of compute, 32.7 s per step, 1.39x
+    # faster by the estimates (torchtitan's selective "op" policy recomputes every other matmul, not counted here).
+    "70B": (("Llama-3-70B", 8, "A100", 64, 8, 8, 8, "full"), ((64, 4, (1, 16, 4), 1, 4, "selective"), 1.39)),
+    # llama3_405b.toml, "128 H100 GPUs": TP 8, FSDP 16, local batch 2, full AC (and float8, compile, async TP,
+    # which the planner does not model). Matched: only TP 8 fits at all, and only with full recompute (71.5 of 72.0
+    # GB at micro-batch 2); compute-bound, 20.5 s per step.
+    "405B": (("405B", 16, "H100", 32, 8, 16, 2, "full"), ((128, 8, (1, 16, 8), 2, 1, "full"), 1.00)),
+}
+HARDWARE = {
+    "A100": {"inter_node_bandwidth": "1600Gbit/s", "intra_node_bandwidth": "300GB/s", "device_flops": "312TFLOPS"},
+    "H100": {"inter_node_bandwidth": "3200Gbit/s", "intra_node_bandwidth": "450GB/s", "device_flops": "989TFLOPS"},
+}
+LLAMA_3_1_405B = {"hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128,
+                  "num_hidden_layers": 126, "max_position_embeddings": 131072}  # fmt: skip
 
 
 # Qwen3-MoE (the published configs: 30B-A3B, 235B-A22B), same clusters and training. The planner offers no expert
@@ -171,8 +210,8 @@ def test_memory_freed_by_tensor_parallelism_buys_micro_batch_and_fewer_recompute
     training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
     plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB", **FABRICS["fast"]), training)
     rows = {(row.layout.shard_size, row.layout.tensor_parallel_size): row for row in plan.rows}
-    # TP 1 needs recompute to fit one sequence; TP 2 fits it without
-    assert rows[(128, 1)].training.checkpointing == "full" and rows[(128, 2)].training.checkpointing == "none"
+    # TP 1 needs recompute to fit one sequence (selective does); TP 2 fits it without
+    assert rows[(128, 1)].training.checkpointing == "selective" and rows[(128, 2)].training.checkpointing == "none"
     # TP 8's 8 sequences per data-parallel rank run as micro-batches larger than 1
     assert rows[(128, 8)].step.micro_batch_size > 1
 
@@ -194,11 +233,26 @@ def test_the_output_says_why_the_winner_won(shapes):
     training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
     plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB", **FABRICS["fast"]), training)
     reason = plan.reason
-    assert reason.startswith("shard_size=128 (all ranks), tensor_parallel_size=2, mesh (1, 64, 2), micro-batch 1 x 2")
+    assert reason.startswith(
+        "shard_size=128 (all ranks), mesh (1, 128), micro-batch 1 x 1 accumulation step, activation checkpointing"
+        " selective, fits (66.9 GB of 72.0 GB usable"
+    )
+    assert "2.24 s per step (~116,913 tokens/s, MFU ~40%), compute-bound (compute 2.24 s, inter-node traffic" in reason
+    # the lever that won, by how much, against the best without it
+    assert (
+        "Lever: selective activation checkpointing, 1.26x faster than the best without it (shard_size=128 (all"
+        " ranks), tensor_parallel_size=2, mesh (1, 64, 2), micro-batch 1 x 2 accumulation steps, activation"
+        " checkpointing off, 2.82 s per step)"
+    ) in reason
+    # the runner-up: the best other layout, its figure, its ratio and what costs it
+    assert (
+        "Runner-up: shard_size=128 (all ranks), tensor_parallel_size=2, mesh (1, 64, 2), micro-batch 1 x 2"
+        " accumulation steps, activation checkpointing off, 2.82 s per step (~93,007 tokens/s, MFU ~32%) (1.26x): it"
+        " gathers the model 2 times per step, against 1"
+    ) in reason
     # the best of every other TP size, its figure against the winner's, and what costs it
-    assert "tensor_parallel_size=1: at best shard_size=32 (4 nodes), mesh (4, 32), micro-batch 1 x 1" in reason
-    assert "it recomputes the checkpointed layers' forward" in reason
-    assert "tensor_parallel_size=8: at best" in reason and "gather the model 2 times, against 2" not in reason
+    assert "tensor_parallel_size=4: at best shard_size=128 (all ranks), tensor_parallel_size=4" in reason
+    assert "tensor_parallel_size=8: at best" in reason and "weights kept gathered for the step" in reason
     assert f"recommended: {reason}" in plan_table(plan)
 
 
@@ -271,3 +325,25 @@ def test_the_recommendation_for_moe_models_is_the_experts(moe_shapes, size, node
     training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
     plan = make_plan(model, Cluster(nodes, 8, "80GB", **FABRICS[fabric]), training)
     assert answer(plan) == MOE_EXPERT_TABLE[(size, nodes, fabric)]
+
+
+@pytest.mark.parametrize("recipe", list(TORCHTITAN_RECIPES))
+def test_torchtitans_published_recipes(tmp_path, recipe):
+    (model_name, nodes, hardware, batch, tensor, fsdp, micro, mode), (expected, ratio) = TORCHTITAN_RECIPES[recipe]
+    if model_name == "405B":
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 8,
+                  "vocab_size": 128256, "tie_word_embeddings": False, **LLAMA_3_1_405B}  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        model_name = tmp_path
+    model = load_model_shape(model_name)
+    cluster = Cluster(nodes, 8, "80GB", **HARDWARE[hardware])
+    parallel = {"sequence_parallel": True, "loss_parallel": True}
+    plan = make_plan(model, cluster, Training("bf16-mixed", Workload(1, 8192), **parallel), global_batch_size=batch)
+    assert answer(plan) == expected
+    # the recipe's own layout, step and recompute, as the planner estimates them: it fits, and how it compares
+    training = Training("bf16-mixed", Workload(micro, 8192), True, activation_checkpointing_mode=mode, **parallel)
+    fixed = make_plan(model, cluster, training, tensor_parallel_sizes=[tensor], global_batch_size=batch, adapt=False)
+    row = next(row for row in fixed.rows if (row.layout.fsdp_size, row.layout.replicate_size) == (fsdp, 1))
+    assert row.fits and row.step.accumulation_steps == 1
+    chosen = plan.recommended.throughput.step_seconds
+    assert row.throughput.step_seconds / chosen == pytest.approx(ratio, abs=0.01)

@@ -19,6 +19,7 @@ from fabric_hsdp.planning import (
     model_shape,
     traffic_per_step,
 )
+from fabric_hsdp.planning.plan import recommended_layout
 from fabric_hsdp.planning.step import with_headroom
 from fabric_hsdp.topology import Topology
 
@@ -56,7 +57,10 @@ def test_worked_example_65b_on_two_8x80gb_nodes_fits_nowhere():
     assert model.num_parameters == total == 65_285_660_672
     tensors = 3 + 9 * layers
     training = Training("bf16-mixed", Workload(micro_batch_size=1, seq_len=4096, optimizer="adamw"))
-    plan = make_plan(model, Cluster(2, 8, "80GB"), training, tensor_parallel_sizes=[1])
+    # as the report ran it: no recompute, the weights resharded (the planner weighs neither here)
+    plan = make_plan(
+        model, Cluster(2, 8, "80GB"), training, tensor_parallel_sizes=[1], weigh_recompute=False, weigh_gathering=False
+    )
     rows = {row.layout.shard_size: row for row in plan.rows}
     assert sorted(rows) == [1, 2, 4, 8, 16]
     for shard in (8, 16):  # every dim divides by 8 and 16: no padding
@@ -78,8 +82,12 @@ def test_worked_example_65b_on_two_8x80gb_nodes_fits_nowhere():
 def test_worked_example_65b_error_lists_what_would_fit():
     model = load_model_shape(EXAMPLES / "llama-65b.json")
     training = Training("bf16-mixed", Workload(1, 4096))
+    # the report's run, without recompute or gathering weighed
+    unweighed = make_plan(
+        model, Cluster(2, 8, "80GB"), training, tensor_parallel_sizes=[1], weigh_recompute=False, weigh_gathering=False
+    )
     with pytest.raises(NoLayoutFitsError) as caught:
-        choose_layout(model, Cluster(2, 8, "80GB"), training)
+        recommended_layout(unweighed, 1)
     message = str(caught.value)
     assert "no layout fits 72.0 GB per device (80.0 GB less a 10% safety margin)" in message
     smallest = min(caught.value.plan.rows, key=lambda row: row.memory.total)
@@ -102,6 +110,15 @@ def test_worked_example_65b_error_lists_what_would_fit():
     assert {row.memory.activations for row in plan.rows} == {kept}
     assert not any(row.fits for row in plan.rows) and min(row.memory.total for row in plan.rows) > 72e9
     assert labels == ["CPU offload + activation checkpointing", "activation checkpointing + precision bf16-true"]
+    # weighed (the default), recompute is the planner's own choice, not a change to suggest: each change alone fits
+    # with full recompute
+    with pytest.raises(NoLayoutFitsError) as weighed:
+        choose_layout(model, Cluster(2, 8, "80GB"), training)
+    labels = [option.split(" (")[0] for option in weighed.value.options]
+    assert labels == ["3 nodes", "CPU offload", "precision bf16-true"]
+    assert "mesh (1, 24), micro-batch 1 x 1 accumulation step, activation checkpointing on: 54.5 GB" in str(
+        weighed.value
+    )
 
 
 def test_worked_example_7b_recommends_one_node_per_shard_group():
@@ -109,7 +126,9 @@ def test_worked_example_7b_recommends_one_node_per_shard_group():
     hidden, layers, inner, vocab = 4096, 32, 11008, 32000
     _, _, total = llama_counts(hidden, layers, inner, vocab)
     training = Training("bf16-mixed", Workload(1, 4096))
-    plan = make_plan(model, Cluster(2, 8, "80GB"), training, tensor_parallel_sizes=[1])
+    plan = make_plan(
+        model, Cluster(2, 8, "80GB"), training, tensor_parallel_sizes=[1], weigh_recompute=False, weigh_gathering=False
+    )
     chosen = plan.recommended
     assert chosen.layout.shard_size == 8 and chosen.layout.mesh_shape == (2, 8)
     assert chosen.memory.total == pytest.approx(expected_total(hidden, layers, inner, vocab, 8, 4096, 3 + 9 * layers))
