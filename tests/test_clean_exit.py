@@ -8,7 +8,7 @@ success path and on the error path (a failing load, where the traceback keeps th
 What it can and cannot catch here: the abort itself does not reproduce on this machine's torch (CPU build, gloo):
 with the exit handler removed (``atexit.register`` dropped), 10 fork-server and 4 fresh-process launches all exited
 ``[0, 0, 0, 0]`` (#22's review), and #20's intermittent exit 134 (1 in ~10 failing loads, 2 ranks under Fabric)
-was not reproduced either; the runs keep looking for it (``ABORTS``). What it does catch is the exit status: a
+was not reproduced either; each run still looks for it (``ABORTS``). What it does catch is the exit status: a
 handler that ends the process its own way (plant 4 in tests/mutations: ``os._exit(0)``, the obvious way to dodge the
 abort) turns a failing load's exit 1 into 0, and the test fails on the runs with a failing load.
 
@@ -31,12 +31,14 @@ from tests.helpers.training import batch, build, layer_class, make_fabric
 
 pytestmark = pytest.mark.slow
 
-RUNS = 20
+# Each of the four kinds once (plain and TP, training that ends and a failing load): the abort this once hunted does
+# not reproduce here (above), and a wrong exit status shows on the first run of its kind (#46: 20 runs were 5x this).
+RUNS = 4
 ABORTS = ("terminate called", "Fatal Python error", "core dumped")
 
 
 @pytest.mark.timeout(RUNS * 120 + 60)  # each launch has its own 120 s limit
-def test_twenty_consecutive_launches_exit_with_their_status(tmp_path):
+def test_consecutive_launches_of_each_kind_exit_with_their_status(tmp_path):
     state = build("llama").state_dict()
     del state["layers.1.feed_forward.w1.weight"]
     torch.save(state, tmp_path / "broken.pth")
