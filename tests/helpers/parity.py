@@ -34,8 +34,8 @@ CLIP_VALUE = 0.01
 MICRO_BATCH = 2
 BUGS = ("no_replicate_allreduce", "wrong_sampler", "skip_sync_flush")
 # per model, label -> (module, factor): the gradient flowing into that module's output scaled by ``factor`` in the
-# sharded run, its forward unchanged. 1 % of one projection's gradient (a query projection, litgpt's fused qkv), and
-# of the embedding's share of hf-tied's tied gradient.
+# sharded run (its weight's gradient and what it passes back), its forward unchanged. 1 % of a query projection's
+# (litgpt: the fused qkv), and of the embedding's share of hf-tied's tied gradient.
 GRADIENT_CONTROLS = {
     "llama": {"wq x1.01": ("layers.1.attention.wq", 1.01)},
     "hf": {"q_proj x1.01": ("model.layers.1.self_attn.q_proj", 1.01)},
