@@ -7,6 +7,12 @@ threshold, every run also trains the single-process model a second way that is m
 rows as accumulated micro-batches, in the order the ranks hold them and in reverse -- and reports the larger distance
 from the full-batch run: the noise floor of this machine for this model. The test compares the sharded run's distance
 with it.
+
+Tensor parallelism is judged more finely as well (``gradients=True``): the first step's gradients, gathered before
+clipping, against the same model and batch in float64 in one process, relative to the global gradient norm. AdamW
+normalises each element, so a gradient off by a per-tensor scale barely moves the parameters; on the gradients it reads
+directly. The floor is the same measure for the model's fp32 gradients in one process, and a control per model
+(:data:`GRADIENT_CONTROLS`: one path of the gradient 1 % off, in the sharded run) shows the resolution.
 """
 
 from __future__ import annotations
@@ -27,6 +33,18 @@ MAX_NORM = 0.5
 CLIP_VALUE = 0.01
 MICRO_BATCH = 2
 BUGS = ("no_replicate_allreduce", "wrong_sampler", "skip_sync_flush")
+# per model, label -> (module, factor): the gradient flowing into that module's output scaled by ``factor`` in the
+# sharded run (its weight's gradient and what it passes back), its forward unchanged. 1 % of a query projection's
+# (litgpt: the fused qkv), and of the embedding's share of hf-tied's tied gradient.
+GRADIENT_CONTROLS = {
+    "llama": {"wq x1.01": ("layers.1.attention.wq", 1.01)},
+    "hf": {"q_proj x1.01": ("model.layers.1.self_attn.q_proj", 1.01)},
+    "litgpt": {"qkv x1.01": ("transformer.h.1.attn.qkv", 1.01)},
+    "hf-tied": {
+        "q_proj x1.01": ("model.layers.1.self_attn.q_proj", 1.01),
+        "embedding path x0.99": ("model.embed_tokens", 0.99),
+    },
+}
 
 
 @dataclass
@@ -38,6 +56,7 @@ class Trained:
     forwards_per_micro_batch: float = 0.0  # forward calls of each layer per micro-batch: 2 when it is recomputed
     use_cache: Any = None  # a transformers model's config.use_cache after setup
     resharded_after_forward: bool | None = None  # a layer's parameters are sharded again after a forward
+    gradients: dict[str, torch.Tensor] | None = None  # the first step's, full and in stored row order, if asked
 
 
 def _loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,6 +98,54 @@ def train_one_process(
     return Trained(losses, norms, {name: t.detach().clone() for name, t in model.state_dict().items()})
 
 
+def first_step_gradients(
+    kind: str, inputs: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """One process, the full batch: the first step's gradients of the model in ``dtype``."""
+    model = build(kind, seed=0).to(dtype)
+    _loss(model, inputs, targets).backward()
+    return {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+
+
+def gradient_distance(gradients: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``max over tensors ||g - exact|| / ||exact||_global``, and the tensor where it is largest."""
+    scale = torch.stack([value.double().norm() for value in exact.values()]).norm()
+    each = {name: ((gradients[name].double() - value.double()).norm() / scale).item() for name, value in exact.items()}
+    worst = max(each, key=each.__getitem__)
+    return {"value": each[worst], "tensor": worst}
+
+
+def _gathered_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as a full tensor (a collective), fused rows (litgpt's qkv) in the stored order."""
+    from fabric_hsdp.tensor_parallel import fused_rows_of
+
+    module = getattr(model, "module", model)
+    fused = fused_rows_of(module)
+    gradients = {}
+    for name, param in module.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        gradients[name] = (fused[name].to_stored_order(grad) if name in fused else grad).detach().cpu().clone()
+    return gradients
+
+
+@contextmanager
+def _scaled_gradient(model: torch.nn.Module, control: tuple[str, float] | None) -> Iterator[None]:
+    """``control`` = (module, factor): the gradient into that module's output times ``factor``, the forward exact."""
+    if control is None:
+        yield
+        return
+    name, factor = control
+
+    def scale(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + (factor - 1) * (output - output.detach())  # output - output.detach() is exactly 0
+
+    handle = getattr(model, "module", model).get_submodule(name).register_forward_hook(scale)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def sampler_rows(num_rows: int, num_replicas: int, rank: int) -> list[int]:
     """The rows ``DistributedSampler(shuffle=False)`` gives ``rank``."""
     return list(DistributedSampler(range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=False))
@@ -114,7 +181,11 @@ def _train_sharded(
     clip: str | None,
     setup_together: bool,
     bug: str | None,
+    gradients: bool = False,
+    control: tuple[str, float] | None = None,
 ) -> Trained:
+    """``gradients``: gather the first step's gradients; ``control``: plant :data:`GRADIENT_CONTROLS`' scale and
+    stop after those (no optimizer step, no state)."""
     model = build(kind, seed=0)
     with _planted(bug):
         if setup_together:
@@ -154,7 +225,8 @@ def _train_sharded(
     else:  # Fabric inserts a DistributedSampler with the strategy's distributed_sampler_kwargs
         loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False))
     losses, norms, seen = [], [], []
-    for _ in range(steps):
+    first_gradients = None
+    for step in range(1 if control else steps):
         micro_batches = list(loader)
         assert len(micro_batches) == accumulate, (len(micro_batches), accumulate)
         seen.append([rows.tolist() for rows, _ in micro_batches])
@@ -162,11 +234,15 @@ def _train_sharded(
         for micro, (micro_inputs, micro_targets) in enumerate(micro_batches):
             last = micro == accumulate - 1
             sync = fabric.no_backward_sync(model, enabled=bug == "skip_sync_flush" or not last)
-            with sync, fabric.strategy.loss_parallel():  # the latter a no-op unless loss_parallel=True
-                loss = _loss(model, micro_inputs, micro_targets)
+            with sync, fabric.strategy.loss_parallel(), _scaled_gradient(model, control):  # loss_parallel: a no-op
+                loss = _loss(model, micro_inputs, micro_targets)  # unless loss_parallel=True
                 fabric.backward(loss / accumulate)
             loss = loss.detach()
             step_loss += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss) / accumulate
+        if (gradients or control) and step == 0:
+            first_gradients = _gathered_gradients(model)
+        if control:
+            break
         if clip == "norm":
             norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
         elif clip == "value":
@@ -177,6 +253,8 @@ def _train_sharded(
     for hook in hooks:
         hook.remove()
     layer_class(kind).forward = layer_forward
+    if control:
+        return Trained([], [], {}, seen, gradients=first_gradients)
     config = getattr(getattr(model, "module", model), "config", None)
     per_micro_batch = float("nan") if compiled else forwards[0] / (len(layers) * steps * accumulate)
     state = full_state(model)
@@ -184,7 +262,7 @@ def _train_sharded(
         logits_of(model, inputs[:1])
     resharded = after_forward[-1]
     use_cache = getattr(config, "use_cache", None)
-    return Trained(losses, norms, state, seen, per_micro_batch, use_cache, resharded)
+    return Trained(losses, norms, state, seen, per_micro_batch, use_cache, resharded, first_gradients)
 
 
 def _relative(values: list[float], reference: list[float]) -> float:
@@ -217,6 +295,7 @@ def parity(
     bugs: list[str] = (),
     kinds: list[str] | None = None,
     variants: dict[str, dict[str, Any]] | None = None,
+    gradients: bool = False,
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Train sharded (and, for ``bugs``, with each bug planted); return distances to one process and the noise floor.
@@ -225,12 +304,16 @@ def parity(
     planted in the first one only.
     ``variants``: with ``kinds``, more strategies (label -> extra strategy arguments, e.g. sequence_parallel=True)
     trained in the same launch against the same references; their distances under ``"variants"``.
+    ``gradients``: also the first step's gradients against float64 (see the module docstring), of the run, its
+    variants and the model's control, under ``"gradients"``.
     ``strategy_kwargs``: passed to the strategy, e.g. ``tensor_parallel_size=2``.
     """
     layers = {layer_class(name) for name in kinds or [kind]}
     if activation_checkpointing:
         strategy_kwargs["activation_checkpointing"] = layers
-    options = dict(steps=steps, accumulate=accumulate, clip=clip, setup_together=setup_together, bugs=bugs)
+    options = dict(
+        steps=steps, accumulate=accumulate, clip=clip, setup_together=setup_together, bugs=bugs, gradients=gradients
+    )
     if kinds is not None:  # the strategy's default sharded_modules: the layers of the models' nn.ModuleLists
         fabric = make_fabric(num_nodes, devices, **strategy_kwargs)
         others = {
@@ -254,7 +337,9 @@ def _parity(
     setup_together: bool,
     bugs: list[str],
     variants: dict[str, Any] | None = None,
+    gradients: bool = False,
 ) -> dict[str, Any]:
+    variants = variants or {}
     sampler = fabric.strategy.distributed_sampler_kwargs
     num_rows = MICRO_BATCH * accumulate * sampler["num_replicas"]
     inputs, targets = batch(num_rows)
@@ -270,18 +355,46 @@ def _parity(
     reversed_order = train_one_process(kind, inputs, targets, steps, clip, micro_batches[::-1])
     floors = [distance(accumulated, full_batch), distance(reversed_order, full_batch)]
     options = (kind, inputs, targets, steps, accumulate, clip, setup_together)
-    ours = _train_sharded(fabric, *options, bug=None)
-    return {
+    ours = _train_sharded(fabric, *options, bug=None, gradients=gradients)
+    others = {
+        label: _train_sharded(other, *options, bug=None, gradients=gradients) for label, other in variants.items()
+    }
+    facts = {
         "floor": {what: max(floor[what] for floor in floors) for what in floors[0]},
         "ours": distance(ours, full_batch),
         "bugs": {bug: distance(_train_sharded(fabric, *options, bug=bug), full_batch) for bug in bugs},
-        "variants": {
-            label: distance(_train_sharded(other, *options, bug=None), full_batch)
-            for label, other in (variants or {}).items()
-        },
+        "variants": {label: distance(trained, full_batch) for label, trained in others.items()},
         "sampler": sampler,
         "batches": ours.batches,
         "forwards_per_micro_batch": ours.forwards_per_micro_batch,
         "use_cache": ours.use_cache,
         "resharded_after_forward": ours.resharded_after_forward,
     }
+    if gradients:
+        controls = {
+            label: _train_sharded(fabric, *options, bug=None, control=control).gradients
+            for label, control in GRADIENT_CONTROLS[kind].items()
+        }
+        exact, one_process = _gradient_references(kind, inputs, targets)
+        facts["gradients"] = {
+            "one_process": gradient_distance(one_process, exact),
+            "ours": gradient_distance(ours.gradients, exact),
+            "variants": {label: gradient_distance(trained.gradients, exact) for label, trained in others.items()},
+            "controls": {label: gradient_distance(planted, exact) for label, planted in controls.items()},
+        }
+    return facts
+
+
+def _gradient_references(
+    kind: str, inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The first step's gradients in one process, float64 and float32: computed on rank 0, sent to the others."""
+    import torch.distributed as dist
+
+    references = [None]
+    if dist.get_rank() == 0:
+        references = [
+            tuple(first_step_gradients(kind, inputs, targets, dtype) for dtype in (torch.float64, torch.float32))
+        ]
+    dist.broadcast_object_list(references, src=0)
+    return references[0]

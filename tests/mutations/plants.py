@@ -1663,4 +1663,80 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/planning/test_weighed_levers.py::test_the_recommendation_says_the_strategy_arguments_that_run_it",),
     ),
+    "46t1": Plant(
+        "tied weights stay one parameter under tensor parallelism, judged by the TP parity test (#46 item 3)",
+        "retie leaves the embedding and the output head two parameters after the plan split them: hf-tied's embedding"
+        " gradient lacks the head's part (its step-1 gradient fails its own floor)",
+        (
+            (
+                "                setattr(model.get_submodule(module_name), attribute, params[0])\n",
+                "                pass\n",
+            ),
+        ),
+        ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
+    ),
+    "46t2": Plant(
+        "fused rows are regrouped by tensor-parallel rank, judged by the TP parity test (#46 item 3)",
+        "litgpt's qkv rows are not regrouped: Shard(0) gives the first rank Q heads 0-3 and the second K and V (its"
+        " step-1 gradient fails its own floor)",
+        (("    order = fused.module_order()\n", "    order = torch.arange(fused.rows)\n"),),
+        ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
+    ),
+    "46t3": Plant(
+        "sequence parallelism's first-layer split all-gathers the gradient in backward (#46 item 3)",
+        "SplitSequence takes the rank's part of the sequence by a local slice: the forward is the same, the backward"
+        " leaves each rank the gradient of its own half (hf and hf-tied with the levers fail their own floor)",
+        (
+            (
+                "            part = whole.redistribute(placements=[Shard(1)]).to_local()"
+                ".clone(memory_format=torch.contiguous_format)\n",
+                "            part = args[0].chunk(device_mesh.size(), dim=1)[device_mesh.get_local_rank()]\n"
+                "            part = part.clone(memory_format=torch.contiguous_format)\n",
+            ),
+        ),
+        ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
+    ),
+    "46t4": Plant(
+        "a 1 % gradient error in sequence parallelism's norms, judged per model on step-1 gradients (#46 item 3)",
+        "the gathered output of every norm in front of column-wise layers passes 1.01x its gradient back, its forward"
+        " exact (each model with the levers fails its own floor)",
+        (
+            (
+                "    return output.redistribute(placements=[Replicate()])\n",
+                "    output = output.redistribute(placements=[Replicate()])\n"
+                "    return output + 0.01 * (output - output.detach())\n",
+            ),
+        ),
+        ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
+    ),
+    "46t5": Plant(
+        "a 1 % gradient error in one model's TP path fails the TP test (#46 item 1: it passed the launch floor)",
+        "litgpt's fused qkv, split over the tensor-parallel ranks, passes 1.01x its output gradient back, its forward"
+        " exact (litgpt's step-1 gradient fails its own floor)",
+        (
+            (
+                "            style = ColwiseParallel()  # the regrouped rows split like any column-wise layer\n",
+                "            style = ColwiseParallel()  # the regrouped rows split like any column-wise layer\n"
+                "            module.register_forward_hook(lambda m, a, out: out + 0.01 * (out - out.detach()))\n",
+            ),
+        ),
+        ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
+    ),
+    "46t6": Plant(
+        "a 1 % error in hf-tied's layer-1 q_proj gradient fails the TP test (#46 item 1: it passed the launch floor)",
+        "hf-tied's layer-1 q_proj, split over the tensor-parallel ranks, computes with its weight's gradient 1.01x,"
+        " the forward and the gradient of its input exact (hf-tied's step-1 gradient fails its own floor)",
+        (
+            (
+                "        parallelize_module(model, mesh, {name: style}, src_data_rank=None)\n",
+                "        parallelize_module(model, mesh, {name: style}, src_data_rank=None)\n"
+                "        if tied and name == 'model.layers.1.self_attn.q_proj':\n"
+                "            def scaled(m, args, out):\n"
+                "                weight = m.weight + 0.01 * (m.weight - m.weight.detach())\n"
+                "                return torch.nn.functional.linear(args[0], weight).to_local()\n"
+                "            module.register_forward_hook(scaled)\n",
+            ),
+        ),
+        ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
+    ),
 }
