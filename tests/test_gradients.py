@@ -123,7 +123,7 @@ def _one_step(fabric, accumulate: int) -> dict:
     ids=["hsdp-2x2", "fsdp-over-nodes-tp2"],
 )
 def test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process(layout):
-    from tests.test_strategy import within_noise
+    from tests.helpers.parity import beyond_noise
 
     accumulate = 3
     arguments = {"accumulate": accumulate, "layout": layout}
@@ -141,7 +141,7 @@ def test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_proce
         assert kept["found_gathered"] == [False] + [True] * (accumulate - 1)
         # the last backward (outside no_backward_sync) reshards: the optimizer stepped sharded parameters
         assert resharded["sharded_at_the_end"] and kept["sharded_at_the_end"]
-        assert not within_noise(facts["parity"]["ours"], facts["parity"]["floor"]), facts["parity"]
+        assert not beyond_noise(facts["parity"]["ours"], facts["parity"]["floor"]), facts["parity"]
 
 
 def test_kept_gathered_weights_refuse_resharding_after_forward():

@@ -12,9 +12,8 @@ import torch
 
 from tests.helpers.counters import OpCounter
 from tests.helpers.launch import launch
-from tests.helpers.parity import _parity
+from tests.helpers.parity import _parity, beyond_noise
 from tests.helpers.training import batch, build, full_state, layer_class, logits_of, make_fabric
-from tests.test_strategy import within_noise
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +42,9 @@ def test_levers_train_like_one_process_and_checkpoint_like_plain(nodes, per_node
     values = values.check().values
     facts = values[0]
     for label, result in facts["parity"].items():
-        assert not within_noise(result["ours"], result["floor"]), (label, result["ours"], result["floor"])
+        assert not beyond_noise(result["ours"], result["floor"]), (label, result["ours"], result["floor"])
         for bug, distance in result["bugs"].items():
-            assert within_noise(distance, result["floor"]), (label, bug, distance, result["floor"])
+            assert beyond_noise(distance, result["floor"]), (label, bug, distance, result["floor"])
     assert sorted(facts["parity"]) == sorted(f"{label}/{kind}" for label in CONFIGS[mesh] for kind in KINDS)
     if mesh[0] > 1:
         assert all(result["bugs"] for label, result in facts["parity"].items() if label.startswith("together/"))

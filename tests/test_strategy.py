@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fabric_hsdp import HybridFSDPStrategy
 from tests.helpers.launch import launch
-from tests.helpers.parity import BUGS
+from tests.helpers.parity import BUGS, beyond_noise
 from tests.helpers.training import batch, build, copy_full_into, layer_class, logits_of, make_fabric
 
 pytestmark = pytest.mark.slow
@@ -72,22 +72,6 @@ def test_invalid_shard_size_fails_every_rank_with_the_arithmetic():
         assert "Choose a divisor: [1, 2, 4]" in rank.stderr
 
 
-# A sharded run differs from one process by rounding. It may differ by at most NOISE_FACTOR times the distance between
-# two single-process runs that differ only in summation order (full batch vs the same rows as accumulated
-# micro-batches, in two orders), measured in the same launch on the same machine, and never by more than CAPS.
-# MIN_TOLERANCE, for when the single-process runs happen to round alike: ~16 fp32 ulps (6e-8 each) for losses and
-# parameters; a gradient norm sums the squares of ~1e5 elements, whose rounding grows like sqrt(1e5) ulps.
-NOISE_FACTOR = 10
-MIN_TOLERANCE = {"losses": 1e-6, "norms": 2e-5, "parameters": 1e-6}
-CAPS = {"losses": 1e-4, "norms": 1e-4, "parameters": 1e-3}
-
-
-def within_noise(distance: dict[str, float], floor: dict[str, float]) -> dict[str, tuple[float, float]]:
-    """The measures (losses, norms, parameters) that exceed their tolerance, as (distance, tolerance)."""
-    tolerances = {what: min(cap, max(NOISE_FACTOR * floor[what], MIN_TOLERANCE[what])) for what, cap in CAPS.items()}
-    return {what: (distance[what], tolerances[what]) for what in CAPS if distance[what] > tolerances[what]}
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -109,7 +93,7 @@ def test_training_matches_single_process(options):
     # every rank's distance: each rank gathers its own replica's parameters (full_tensor() of (Replicate, Shard)
     # gathers over "shard" only), so ranks 2 and 3 judge replica 1
     for rank, facts in enumerate(values):
-        assert not within_noise(facts["ours"], facts["floor"]), (rank, facts["ours"], facts["floor"])
+        assert not beyond_noise(facts["ours"], facts["floor"]), (rank, facts["ours"], facts["floor"])
         # activation checkpointing really recomputes: each layer's forward runs twice per micro-batch, else once
         assert facts["forwards_per_micro_batch"] == (2 if options.get("activation_checkpointing") else 1), facts
         assert facts["resharded_after_forward"] is options.get("reshard_after_forward", True)
@@ -117,7 +101,7 @@ def test_training_matches_single_process(options):
             assert facts["use_cache"] is False
     # each planted bug is caught by the same criterion
     for bug, distance in values[0]["bugs"].items():
-        assert within_noise(distance, values[0]["floor"]), (bug, distance, values[0]["floor"])
+        assert beyond_noise(distance, values[0]["floor"]), (bug, distance, values[0]["floor"])
 
 
 @pytest.mark.parametrize(("precision", "half"), [("bf16-mixed", "torch.bfloat16"), ("16-mixed", "torch.float16")])

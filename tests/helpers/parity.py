@@ -152,7 +152,7 @@ def sampler_rows(num_rows: int, num_replicas: int, rank: int) -> list[int]:
 
 
 @contextmanager
-def _planted(bug: str | None) -> Iterator[None]:
+def _planted(bug: str | None, fabric: Any) -> Iterator[None]:
     """``no_replicate_allreduce``: ``fully_shard`` gets only the ``shard`` dim of the mesh, so replicas never sync."""
     if bug != "no_replicate_allreduce":
         yield
@@ -162,7 +162,8 @@ def _planted(bug: str | None) -> Iterator[None]:
     original = fsdp.fully_shard
 
     def shard_only(module: torch.nn.Module, *, mesh: Any, **kwargs: Any) -> Any:
-        return original(module, mesh=mesh["shard"], **kwargs)
+        # sliced from the whole mesh: torch 2.8 slices no submesh of a submesh (the FSDP mesh under TP is one)
+        return original(module, mesh=fabric.strategy.device_mesh["shard"], **kwargs)
 
     fsdp.fully_shard = shard_only
     try:
@@ -187,7 +188,7 @@ def _train_sharded(
     """``gradients``: gather the first step's gradients; ``control``: plant :data:`GRADIENT_CONTROLS`' scale and
     stop after those (no optimizer step, no state)."""
     model = build(kind, seed=0)
-    with _planted(bug):
+    with _planted(bug, fabric):
         if setup_together:
             model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
         else:
@@ -281,6 +282,23 @@ def distance(trained: Trained, reference: Trained) -> dict[str, float]:
         "norms": _relative(trained.norms, reference.norms),
         "parameters": parameters,
     }
+
+
+# A sharded run differs from one process by rounding. It may differ by at most NOISE_FACTOR times the distance between
+# two single-process runs that differ only in summation order (full batch vs the same rows as accumulated
+# micro-batches, in two orders), measured in the same launch on the same machine, and never by more than CAPS.
+# MIN_TOLERANCE, for when the single-process runs happen to round alike: ~16 fp32 ulps (6e-8 each) for losses and
+# parameters; a gradient norm sums the squares of ~1e5 elements, whose rounding grows like sqrt(1e5) ulps.
+NOISE_FACTOR = 10
+MIN_TOLERANCE = {"losses": 1e-6, "norms": 2e-5, "parameters": 1e-6}
+CAPS = {"losses": 1e-4, "norms": 1e-4, "parameters": 1e-3}
+
+
+def beyond_noise(distance: dict[str, float], floor: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """The measures (losses, norms, parameters) beyond their tolerance, as ``{measure: (distance, tolerance)}``: empty
+    when ``distance`` is within the noise of ``floor``, so ``assert not beyond_noise(...)`` reads as it means."""
+    tolerances = {what: min(cap, max(NOISE_FACTOR * floor[what], MIN_TOLERANCE[what])) for what, cap in CAPS.items()}
+    return {what: (distance[what], tolerances[what]) for what in CAPS if distance[what] > tolerances[what]}
 
 
 def parity(
