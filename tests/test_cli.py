@@ -87,13 +87,32 @@ def _write_truncated_safetensors(path):
     path.write_bytes(path.read_bytes()[:5000])
 
 
-def test_hf_config_option_puts_config_json_into_a_hugging_face_directory(tmp_path, checkpoint, capsys):
+def test_hf_config_option_puts_config_json_into_a_hugging_face_directory(tmp_path, capsys):
+    from tests.helpers.training import tiny_hf_llama
+
+    model = tiny_hf_llama()  # the config must describe the tensors (#44): a Fabric checkpoint of this model
+    torch.save({"model": model.state_dict(), "step": 5}, tmp_path / "in.ckpt")
+    model.config.save_pretrained(tmp_path / "model")
     config = tmp_path / "model" / "config.json"
-    config.parent.mkdir()
-    config.write_text('{"model_type": "llama"}')
-    code, _, err = run(capsys, "convert", checkpoint, tmp_path / "hf", "--to", "safetensors", "--hf_config", config)
+    code, _, err = run(
+        capsys, "convert", tmp_path / "in.ckpt", tmp_path / "hf", "--to", "safetensors", "--hf_config", config
+    )
     assert code == 0, err
-    assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (tmp_path / "hf" / "config.json").read_text() == config.read_text()
+    # a config of another model is refused, naming it (the model it builds lacks the checkpoint's tensors)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model_type": "llama"}')  # transformers' default Llama
+    code, _, err = run(
+        capsys,
+        "convert",
+        tmp_path / "in.ckpt",
+        tmp_path / "hf2",
+        "--to",
+        "safetensors",
+        "--hf_config",
+        tmp_path / "other",
+    )
+    assert code == 2 and "does not describe the checkpoint's tensors" in err and not (tmp_path / "hf2").exists(), err
 
 
 @pytest.mark.parametrize(

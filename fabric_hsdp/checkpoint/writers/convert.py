@@ -300,8 +300,12 @@ def _say_layout(names: dict[str, str], hub: dict[str, Any] | None, config: Path 
             len(names),
             fused[0],
         )
+    elif config is not None:
+        _logger.info(
+            "writing %d tensors under the names they are stored with: the hub's layout for '%s'", len(names), config
+        )
     else:
-        _logger.info("writing %d tensors under the names they are stored with", len(names))
+        _logger.debug("writing %d tensors under the names they are stored with", len(names))
 
 
 def _info_dict(info: TensorInfo) -> dict[str, Any]:
