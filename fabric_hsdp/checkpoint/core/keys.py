@@ -128,11 +128,18 @@ def apply_key_map(source_keys: Iterable[str], key_map: KeyMapSpec = None) -> tup
     return renamed, dropped
 
 
-def match_keys(source_keys: Iterable[str], model_keys: Iterable[str], key_map: KeyMapSpec = None) -> KeyMatch:
+def match_keys(
+    source_keys: Iterable[str],
+    model_keys: Iterable[str],
+    key_map: KeyMapSpec = None,
+    tied: Mapping[str, str] | None = None,
+) -> KeyMatch:
     """Pair model keys with checkpoint keys.
 
     After ``key_map``, exact names match first. A model key still unmatched is paired with a checkpoint key when
     both are the same name once wrapper prefixes are stripped and no other key strips to that name on either side.
+    With ``tied`` (:func:`tied_names`), a model key is not missing when another name of the same tensor is matched:
+    loading that one fills both (checkpoints store a tied tensor once).
     """
     model_keys = list(model_keys)
     renamed, dropped = apply_key_map(source_keys, key_map)
@@ -152,9 +159,11 @@ def match_keys(source_keys: Iterable[str], model_keys: Iterable[str], key_map: K
                 mapping[keys[0]] = by_name[name][0]
     mapping = {key: mapping[key] for key in model_keys if key in mapping}
     used = set(mapping.values())
+    tied = tied or {}
+    loaded = {tied.get(key, key) for key in mapping}
     return KeyMatch(
         mapping=mapping,
-        missing=[key for key in model_keys if key not in mapping],
+        missing=[key for key in model_keys if key not in mapping and tied.get(key, key) not in loaded],
         unexpected=[source_key for source_key in renamed.values() if source_key not in used],
         dropped=dropped,
     )

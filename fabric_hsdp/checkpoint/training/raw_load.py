@@ -121,11 +121,8 @@ def match_source_keys(
     checkpoint's, to say why they differ (another model, another config, an adapter-only checkpoint).
     """
     source_keys = source.keys()
-    match = match_keys(source_keys, targets, key_map)
+    match = match_keys(source_keys, targets, key_map, tied)
     match.missing = [key for key in match.missing if key not in optional]
-    if tied:
-        loaded = {tied.get(key, key) for key in match.mapping}
-        match.missing = [key for key in match.missing if tied.get(key, key) not in loaded]
     model_infos = {name: TensorInfo(name, t.shape, t.dtype) for name, t in targets.items()}
     source_infos = {key: source.tensor_info(key) for key in source_keys}
     mismatched = [

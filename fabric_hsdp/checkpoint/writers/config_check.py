@@ -61,10 +61,7 @@ def refuse_config_that_does_not_fit(source: CheckpointSource, names: dict[str, s
     renamed = ConvertedSource(source, {new: StoredTensor(source, old) for new, old in names.items()})
     converted = convert_for_model(renamed, model)
     targets = model.state_dict()
-    match = match_keys(converted.keys(), targets)
-    tied = tied_names(model)
-    loaded = {tied.get(key, key) for key in match.mapping}
-    match.missing = [key for key in match.missing if tied.get(key, key) not in loaded]
+    match = match_keys(converted.keys(), targets, tied=tied_names(model))
     model_infos = {name: TensorInfo(name, tensor.shape, tensor.dtype) for name, tensor in targets.items()}
     source_infos = {key: converted.tensor_info(key) for key in converted.keys()}  # noqa: SIM118 - a source, not a dict
     message = format_key_errors(
