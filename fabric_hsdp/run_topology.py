@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.topology import Topology, validate_shard_size
+from fabric_hsdp.topology import Topology, validate_expert_parallel_size, validate_shard_size
 from fabric_hsdp.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -31,9 +31,11 @@ class RunTopology:
         tensor_parallel_size: int,
         memory_budget: int | str | None,
         workload: Workload | None,
+        expert_parallel_size: int = 1,
     ) -> None:
         self.shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
         self.tensor_parallel_size = tensor_parallel_size
+        self.expert_parallel_size = validate_expert_parallel_size(expert_parallel_size)
         self.memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self.workload = workload
         self._topology: Topology | None = None
@@ -71,8 +73,9 @@ class RunTopology:
         self._cluster = {"num_nodes": num_nodes, "ranks_per_node": ranks_per_node, "backend": backend}
         self._device = device
         if self.shard_size != "auto":
-            size = self.tensor_parallel_size
-            self._use(Topology.resolve(self.shard_size, num_nodes, ranks_per_node, world_size, size))
+            tensor, expert = self.tensor_parallel_size, self.expert_parallel_size
+            topology = Topology.resolve(self.shard_size, num_nodes, ranks_per_node, world_size, tensor, expert)
+            self._use(topology)
 
     def choose(self, module: Any, tensor_parallel_plan: Any, training: Training) -> None:
         """``shard_size="auto"``: plan ``module`` with the smallest budget of all ranks and take the recommended

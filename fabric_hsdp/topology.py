@@ -8,6 +8,11 @@ each copy is split ``T`` ways by tensor parallelism and ``S = shard_size / T`` w
 * ``T == 1``: a 2-D mesh ``(replicate, shard)`` of shape ``(R, shard_size)``.
 * ``T > 1``: a 3-D mesh ``(replicate, shard, tensor)`` of shape ``(R, S, T)``, tensor innermost: rank ``(r * S + s) *
   T + t``, so tensor-parallel peers are consecutive ranks of one node and their traffic never leaves it.
+* Expert parallelism of degree ``N`` (``T == 1``): the shard dim split into ``(expert_shard, expert)`` of shape
+  ``(R, shard_size / N, N)``, expert innermost (consecutive ranks of one node), and flattened back into ``shard``
+  for every dense parameter: shard index ``f * N + e`` is the rank's place in its copy as without experts, so dense
+  sharding and every checkpoint stay as they are. A layer's experts are split ``N`` ways over ``expert`` and sharded
+  by FSDP over ``(replicate, expert_shard)``.
 
 Parameters, gradients and optimizer state are sharded along ``shard`` (and ``tensor``); only the gradient all-reduce
 of each shard travels along ``replicate``. Every rank of a tensor-parallel group computes on the same micro-batch:
@@ -31,6 +36,8 @@ if TYPE_CHECKING:
 REPLICATE_DIM = "replicate"
 SHARD_DIM = "shard"
 TENSOR_DIM = "tensor"
+EXPERT_SHARD_DIM = "expert_shard"
+EXPERT_DIM = "expert"
 # (shard, tensor) as one dim: the ranks that hold one copy of the model (see Topology.build_mesh)
 SHARD_TENSOR_DIM = "shard_tensor"
 
@@ -60,6 +67,17 @@ def validate_tensor_parallel_size(tensor_parallel_size: int) -> int:
     return tensor_parallel_size
 
 
+def validate_expert_parallel_size(expert_parallel_size: int) -> int:
+    """Check the form of ``expert_parallel_size`` before any process exists."""
+    if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+        raise ValueError(
+            f"HybridFSDPStrategy(expert_parallel_size={expert_parallel_size!r}) is not valid: pass a positive number"
+            " of ranks that split each layer's experts, a divisor of the devices per node (1 turns expert"
+            " parallelism off)."
+        )
+    return expert_parallel_size
+
+
 @dataclass(frozen=True)
 class Topology:
     """Degrees of the mesh, validated against the cluster they run on.
@@ -70,12 +88,14 @@ class Topology:
         shard_size: Ranks that hold one copy of the model together (``tensor_parallel_size`` of them split each
             layer by tensor parallelism, the rest by FSDP).
         tensor_parallel_size: Ranks that split each layer (1: no tensor parallelism).
+        expert_parallel_size: Ranks that split each layer's experts among them, exchanging tokens (1: none).
     """
 
     num_nodes: int
     ranks_per_node: int
     shard_size: int
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -97,16 +117,35 @@ class Topology:
         return self.world_size // self.tensor_parallel_size
 
     @property
+    def expert_shard_size(self) -> int:
+        """Ranks FSDP shards each expert-parallel slice of the experts over, in one copy (``shard_size / N``)."""
+        return self.shard_size // self.expert_parallel_size
+
+    @property
     def mesh_dim_names(self) -> tuple[str, ...]:
+        if self.expert_parallel_size > 1:
+            return (REPLICATE_DIM, EXPERT_SHARD_DIM, EXPERT_DIM)
         if self.tensor_parallel_size == 1:
             return (REPLICATE_DIM, SHARD_DIM)
         return (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
+        if self.expert_parallel_size > 1:
+            return (self.replicate_size, self.expert_shard_size, self.expert_parallel_size)
         if self.tensor_parallel_size == 1:
             return (self.replicate_size, self.shard_size)
         return (self.replicate_size, self.fsdp_size, self.tensor_parallel_size)
+
+    @property
+    def flattened_dims(self) -> dict[str, tuple[str, ...]]:
+        """The dims made of others (``shard`` of ``(expert_shard, expert)`` under expert parallelism, ``shard_tensor``
+        of ``(shard, tensor)`` under tensor parallelism), by name."""
+        if self.expert_parallel_size > 1:
+            return {SHARD_DIM: (EXPERT_SHARD_DIM, EXPERT_DIM)}
+        if self.tensor_parallel_size > 1:
+            return {SHARD_TENSOR_DIM: (SHARD_DIM, TENSOR_DIM)}
+        return {}
 
     @classmethod
     def resolve(
@@ -116,13 +155,15 @@ class Topology:
         ranks_per_node: int,
         world_size: int,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ) -> Topology:
         """Turn ``shard_size`` ('node', 'world' or a number) and the tensor-parallel size into a validated topology.
 
         Raises:
             ValueError: The sizes don't multiply out, a shard group would straddle nodes unevenly, or tensor
-                parallelism would cross a node or not fit the shard group. The message shows the arithmetic and the
-                values that would work.
+                parallelism would cross a node or not fit the shard group, or expert parallelism would cross a node,
+                not divide the shard group or come with tensor parallelism. The message shows the arithmetic and
+                the values that would work.
         """
         shard_size = validate_shard_size(shard_size)
         tensor_parallel_size = validate_tensor_parallel_size(tensor_parallel_size)
@@ -170,28 +211,40 @@ class Topology:
                 f" one copy of the model are split into FSDP x tensor-parallel groups. Choose a divisor of {size}:"
                 f" {layout_sizes} (the model's heads are checked at setup_module), or a larger shard_size."
             )
-        return cls(num_nodes, ranks_per_node, size, tensor_parallel_size)
+        _check_expert_parallel(validate_expert_parallel_size(expert_parallel_size), ranks_per_node, size)
+        if expert_parallel_size > 1 and tensor_parallel_size > 1:
+            raise ValueError(
+                f"expert_parallel_size({expert_parallel_size}) with tensor_parallel_size({tensor_parallel_size}) is"
+                " not supported: the tokens each tensor-parallel group shares would have to be split among its ranks"
+                " before the experts' exchange. Use one of them: expert_parallel_size for a mixture-of-experts model,"
+                " tensor_parallel_size for a dense one."
+            )
+        return cls(num_nodes, ranks_per_node, size, tensor_parallel_size, expert_parallel_size)
 
     def coordinates(self, global_rank: int) -> tuple[int, ...]:
-        """This rank's coordinates in the mesh: ``(replicate, shard)``, or ``(replicate, shard, tensor)`` with TP."""
+        """This rank's coordinates in the mesh, one per dim of :attr:`mesh_dim_names`."""
         replica, position = divmod(global_rank, self.shard_size)
+        if self.expert_parallel_size > 1:
+            return (replica, *divmod(position, self.expert_parallel_size))
         if self.tensor_parallel_size == 1:
             return (replica, position)
         return (replica, *divmod(position, self.tensor_parallel_size))
 
     def rank_groups(self, dim: str) -> list[list[int]]:
-        """The rank groups along mesh dim ``dim`` (``"replicate"``, ``"shard"`` = FSDP, ``"tensor"``), each in rank
-        order: the ranks whose :meth:`coordinates` differ in ``dim`` only. Without tensor parallelism every rank is
-        its own ``"tensor"`` group."""
-        if dim not in (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM):
-            raise ValueError(f"mesh dim {dim!r} is not one of {REPLICATE_DIM!r}, {SHARD_DIM!r}, {TENSOR_DIM!r}")
-        if dim not in self.mesh_dim_names:
+        """The rank groups along mesh dim ``dim`` (``"replicate"``, ``"shard"`` = FSDP, ``"tensor"``, ``"expert"``,
+        ``"expert_shard"``), each in rank order: the ranks whose :meth:`coordinates` differ in ``dim`` only (in the
+        dims it is made of, for a flattened one). A dim the mesh lacks has every rank in a group of its own."""
+        known = (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM, EXPERT_SHARD_DIM, EXPERT_DIM)
+        if dim not in known:
+            raise ValueError(f"mesh dim {dim!r} is not one of {', '.join(map(repr, known))}")
+        parts = self.flattened_dims.get(dim, (dim,))
+        if not set(parts) <= set(self.mesh_dim_names):
             return [[rank] for rank in range(self.world_size)]
-        index = self.mesh_dim_names.index(dim)
+        kept = [index for index, name in enumerate(self.mesh_dim_names) if name not in parts]
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
             coordinates = self.coordinates(rank)
-            groups.setdefault(coordinates[:index] + coordinates[index + 1 :], []).append(rank)
+            groups.setdefault(tuple(coordinates[index] for index in kept), []).append(rank)
         return list(groups.values())
 
     def position_in_copy(self, global_rank: int) -> int:
@@ -209,12 +262,12 @@ class Topology:
         from fabric_hsdp.versions import flatten_mesh
 
         device_mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
-        if self.tensor_parallel_size > 1:
-            # A DTensor split by FSDP and TP is partial over (shard, tensor) when reduced whole (the gradient norm):
-            # DTensor uses one all-reduce over both dims only if this flattened dim exists, else it runs one per dim
-            # and logs "While redistributing ... flatten mesh dimensions ["shard", "tensor"]" (as torchtitan's
-            # flattened data-parallel dims)
-            flatten_mesh(device_mesh[SHARD_DIM, TENSOR_DIM], SHARD_TENSOR_DIM)
+        # Under TP, a DTensor split by FSDP and TP is partial over (shard, tensor) when reduced whole (the gradient
+        # norm): DTensor uses one all-reduce over both dims only if this flattened dim exists, else it runs one per
+        # dim and logs "While redistributing ... flatten mesh dimensions ["shard", "tensor"]" (as torchtitan's
+        # flattened data-parallel dims). Under EP, the dense parameters' shard dim is (expert_shard, expert).
+        for name, parts in self.flattened_dims.items():
+            flatten_mesh(device_mesh[parts], name)
         return ParallelMesh(self, device_mesh)
 
     def describe(self) -> str:
@@ -227,13 +280,21 @@ class Topology:
             kind = "HSDP"
         if self.tensor_parallel_size > 1:
             kind += f" + tensor parallel ({self.tensor_parallel_size})"
+        if self.expert_parallel_size > 1:
+            kind += f" + expert parallel ({self.expert_parallel_size})"
         nodes_per_group = max(1, self.shard_size // self.ranks_per_node)
         span = f"{nodes_per_group} node(s)" if self.shard_size >= self.ranks_per_node else "part of one node"
         text = (
             f"{kind}: {self.num_nodes} node(s) x {self.ranks_per_node} rank(s) per node = {self.world_size} ranks;"
             f" mesh {self.mesh_shape} with dims {self.mesh_dim_names}: "
         )
-        if self.tensor_parallel_size == 1:
+        if self.expert_parallel_size > 1:
+            text += (
+                f"'{SHARD_DIM}'={self.shard_size} ranks hold one sharded copy of the model ({span}); each layer's"
+                f" experts split '{EXPERT_DIM}'={self.expert_parallel_size} ways (tokens exchanged all-to-all) and"
+                f" '{EXPERT_SHARD_DIM}'={self.expert_shard_size} ways by FSDP"
+            )
+        elif self.tensor_parallel_size == 1:
             text += f"'{SHARD_DIM}'={self.shard_size} ranks hold one sharded copy of the model ({span})"
         else:
             text += (
@@ -265,9 +326,25 @@ class ParallelMesh:
     @property
     def fsdp(self) -> DeviceMesh:
         """The 2-D ``(replicate, shard)`` mesh ``fully_shard`` shards over (HSDP)."""
-        if self.topology.tensor_parallel_size == 1:
+        if self.device_mesh.mesh_dim_names == (REPLICATE_DIM, SHARD_DIM):
             return self.device_mesh
         return self.device_mesh[REPLICATE_DIM, SHARD_DIM]
+
+    @property
+    def expert(self) -> DeviceMesh | None:
+        """The 1-D mesh of this rank's expert-parallel group (the ranks that exchange tokens); ``None`` without
+        expert parallelism."""
+        if self.topology.expert_parallel_size == 1:
+            return None
+        return self.device_mesh[EXPERT_DIM]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh | None:
+        """The 2-D ``(replicate, expert_shard)`` mesh the experts' FSDP unit shards over; ``None`` without expert
+        parallelism."""
+        if self.topology.expert_parallel_size == 1:
+            return None
+        return self.device_mesh[REPLICATE_DIM, EXPERT_SHARD_DIM]
 
     @property
     def tensor(self) -> DeviceMesh | None:
@@ -286,26 +363,50 @@ class ParallelMesh:
         return self.topology.mesh_dim_names
 
     def size(self, dim_name: str) -> int:
-        """How many ranks one named dim spans."""
-        return dict(zip(self.dim_names, self.topology.mesh_shape, strict=True))[dim_name]
+        """How many ranks one named dim spans (a flattened one: the product of its parts)."""
+        sizes = dict(zip(self.dim_names, self.topology.mesh_shape, strict=True))
+        return math.prod(sizes[part] for part in self.topology.flattened_dims.get(dim_name, (dim_name,)))
 
     def group(self, dim_name: str) -> dist.ProcessGroup:
         """The process group of this rank along one named dim."""
-        return self.device_mesh.get_group(dim_name)
+        return self.device_mesh[dim_name].get_group()
 
     def replicated_dims(self, tensor: Any) -> list[str]:
         """The dims along which ``tensor`` holds the same values on every rank.
 
         A plain tensor is replicated everywhere. A DTensor is replicated along the dims of the job's mesh that its
         own mesh lacks (FSDP-only parameters under tensor parallelism live on the 2-D sub-mesh) and along those where
-        its placement is ``Replicate()``.
+        its placement is ``Replicate()``; a dense parameter sharded over the flattened ``shard`` of expert
+        parallelism is sharded over both its parts.
         """
         from torch.distributed.tensor import DTensor, Replicate
 
         if not isinstance(tensor, DTensor):
             return list(self.dim_names)
-        own = dict(zip(tensor.device_mesh.mesh_dim_names or (), tensor.placements))
-        return [name for name in self.dim_names if name not in own or isinstance(own[name], Replicate)]
+        split = set()
+        for name, placement in zip(tensor.device_mesh.mesh_dim_names or (), tensor.placements):
+            if not isinstance(placement, Replicate):
+                split.update(self.topology.flattened_dims.get(name, (name,)))
+        return [name for name in self.dim_names if name not in split]
+
+
+def _check_expert_parallel(expert_parallel_size: int, ranks_per_node: int, shard_size: int) -> None:
+    if expert_parallel_size == 1:
+        return
+    fitting = _divisors(math.gcd(ranks_per_node, shard_size))
+    if shard_size % expert_parallel_size != 0:
+        raise ValueError(
+            f"expert_parallel_size({expert_parallel_size}) does not divide shard_size({shard_size}): the ranks that"
+            " hold one copy of the model are split into expert-shard x expert groups. Choose a divisor of"
+            f" {shard_size} that divides ranks_per_node({ranks_per_node}): {fitting} (the experts per layer are"
+            " checked at setup_module)."
+        )
+    if ranks_per_node % expert_parallel_size != 0:
+        raise ValueError(
+            f"expert_parallel_size({expert_parallel_size}) does not divide ranks_per_node({ranks_per_node}): the"
+            " ranks of an expert-parallel group exchange every MoE layer's tokens all-to-all, forward and backward,"
+            f" and must stay inside a node. Choose {fitting} (the experts per layer are checked at setup_module)."
+        )
 
 
 def _divisors(number: int) -> list[int]:

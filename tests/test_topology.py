@@ -133,3 +133,30 @@ def test_suggested_tensor_parallel_sizes_pass_every_layout_check(
         except ValueError:
             pass
     assert suggested == valid, str(error.value)
+
+
+def test_expert_parallel_splits_the_shard_dim_with_the_expert_dim_innermost():
+    # 2 nodes x 8 ranks, shard_size 16 (both nodes), EP 4: (replicate, expert_shard, expert) = (1, 4, 4)
+    topology = Topology.resolve(16, 2, 8, 16, expert_parallel_size=4)
+    assert topology.mesh_dim_names == ("replicate", "expert_shard", "expert")
+    assert topology.mesh_shape == (1, 4, 4)
+    assert topology.flattened_dims == {"shard": ("expert_shard", "expert")}
+    # the expert groups: 4 consecutive ranks, one node each
+    assert topology.rank_groups("expert") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert topology.rank_groups("expert_shard") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    # the dense parameters' shard dim is the flattened (expert_shard, expert): every rank in rank order
+    assert topology.rank_groups("shard") == [list(range(16))]
+    assert [topology.position_in_copy(rank) for rank in range(16)] == list(range(16))
+    assert topology.data_parallel_size == 16
+    assert "expert parallel (4)" in topology.describe()
+
+
+def test_expert_parallel_size_must_divide_the_shard_group_and_stay_in_a_node():
+    with pytest.raises(ValueError, match=r"expert_parallel_size\(3\) does not divide shard_size\(4\).*\[1, 2, 4\]"):
+        Topology.resolve("node", 2, 4, 8, expert_parallel_size=3)
+    with pytest.raises(ValueError, match=r"expert_parallel_size\(8\) does not divide ranks_per_node\(4\).*inside a"):
+        Topology.resolve("world", 2, 4, 8, expert_parallel_size=8)
+    with pytest.raises(ValueError, match=r"expert_parallel_size\(2\) with tensor_parallel_size\(2\) is not supported"):
+        Topology.resolve("node", 2, 4, 8, tensor_parallel_size=2, expert_parallel_size=2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=0\) is not valid"):
+        Topology.resolve("node", 2, 4, 8, expert_parallel_size=0)
