@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+    from fabric_hsdp.expert_parallel import ExpertUnits
+
 _logger = logging.getLogger(__name__)
 
 ModulePolicy = set[type[nn.Module]] | Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool]
@@ -144,9 +146,15 @@ def sharded_units(
     return units
 
 
-def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: DeviceMesh, settings: FSDPSettings) -> None:
-    """``fully_shard`` every unit bottom-up, then the embeddings and the head (:func:`outer_units`), then the root,
-    over ``mesh`` (the ``(replicate, shard)`` mesh)."""
+def apply_fsdp(
+    module: nn.Module,
+    units: list[tuple[str, nn.Module]],
+    mesh: DeviceMesh,
+    settings: FSDPSettings,
+    experts: ExpertUnits | None = None,
+) -> None:
+    """``fully_shard`` the experts of expert parallelism over their own mesh, every unit bottom-up, then the
+    embeddings and the head (:func:`outer_units`), then the root, over ``mesh`` (the ``(replicate, shard)`` mesh)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward}
@@ -155,6 +163,8 @@ def apply_fsdp(module: nn.Module, units: list[tuple[str, nn.Module]], mesh: Devi
     if settings.offload_policy is not None:
         kwargs["offload_policy"] = settings.offload_policy
     # Children first: an FSDP unit manages the parameters not already owned by a unit below it.
+    for child in experts.modules if experts else []:
+        fully_shard(child, **{**kwargs, "mesh": experts.mesh})
     for _, child in reversed(units):
         fully_shard(child, **kwargs)
     embeddings, tail = outer_units(module, units)

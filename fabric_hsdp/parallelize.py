@@ -1,6 +1,7 @@
 """The setup pipeline, one step per lever, in torchtitan's order (``parallelize_llama``): float8 -> tensor parallelism
--> activation checkpointing -> compile -> ``fully_shard``; and :func:`set_up_module`, all of ``fabric.setup_module``
-(the pipeline, then the local shards made real, replicas made identical and tensor parallelism finished).
+-> expert parallelism -> activation checkpointing -> compile -> ``fully_shard``; and :func:`set_up_module`, all of
+``fabric.setup_module`` (the pipeline, then the local shards made real, replicas made identical and tensor
+parallelism finished).
 
 Each step takes the module and the sub-mesh it needs (tensor parallelism the ``tensor`` mesh, FSDP the
 ``(replicate, shard)`` mesh) and changes the model in place; parameter and state-dict names stay what the user's
@@ -200,7 +201,7 @@ def parallelize(
     without it). ``largest_tensor_parallel_size``: the sizes tensor-parallel errors suggest divide it."""
     from fabric_hsdp.tensor_parallel import apply_tensor_parallel
 
-    applied = None
+    applied = experts = None
     units = sharded_units(module, settings.sharded_modules)  # the transformer blocks, before anything wraps them
     if levers.float8 is not None:
         apply_float8(
@@ -216,12 +217,17 @@ def parallelize(
             largest_size=largest_tensor_parallel_size,
         )
         finish_collectives_before_units(module, units)
+    if mesh.expert is not None:
+        from fabric_hsdp.expert_parallel import ExpertUnits, apply_expert_parallel
+
+        split = apply_expert_parallel(module, mesh.expert)
+        experts = ExpertUnits([experts_module for _, experts_module in split], mesh.expert_fsdp)
     if levers.activation_checkpointing is not None:
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:
         apply_compile(module, units, levers.compile, tensor_parallel=mesh.tensor is not None)
     hold_frozen_in_compute_dtype(module, settings.mp_policy)  # a frozen base (LoRA) costs only its bf16 shards
-    apply_fsdp(module, units, mesh.fsdp, settings)
+    apply_fsdp(module, units, mesh.fsdp, settings, experts)
     return applied
 
 
@@ -311,7 +317,8 @@ def checkpointed_class(cls: type[nn.Module], *, selective: bool) -> type[nn.Modu
 
 
 def saved_ops() -> list[Any]:
-    """The ops whose outputs selective activation checkpointing keeps (torchtitan's list, plus the CPU kernels)."""
+    """The ops whose outputs selective activation checkpointing keeps (torchtitan's list, plus the CPU kernels and
+    expert parallelism's token exchange)."""
     import torch
 
     aten, names = torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "max")
@@ -326,7 +333,7 @@ def saved_ops() -> list[Any]:
         if hasattr(aten, name):
             ops.append(getattr(aten, name).default)
     functional = c10d_functional_ops()
-    for name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"):
+    for name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "all_to_all_single"):
         if hasattr(functional, name):
             ops.append(getattr(functional, name).default)
     return ops

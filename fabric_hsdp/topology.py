@@ -326,9 +326,11 @@ class ParallelMesh:
     @property
     def fsdp(self) -> DeviceMesh:
         """The 2-D ``(replicate, shard)`` mesh ``fully_shard`` shards over (HSDP)."""
+        from fabric_hsdp.versions import slice_with_flattened
+
         if self.device_mesh.mesh_dim_names == (REPLICATE_DIM, SHARD_DIM):
             return self.device_mesh
-        return self.device_mesh[REPLICATE_DIM, SHARD_DIM]
+        return slice_with_flattened(self.device_mesh, (REPLICATE_DIM, SHARD_DIM))
 
     @property
     def expert(self) -> DeviceMesh | None:
@@ -369,7 +371,9 @@ class ParallelMesh:
 
     def group(self, dim_name: str) -> dist.ProcessGroup:
         """The process group of this rank along one named dim."""
-        return self.device_mesh[dim_name].get_group()
+        from fabric_hsdp.versions import slice_with_flattened
+
+        return slice_with_flattened(self.device_mesh, (dim_name,)).get_group()
 
     def replicated_dims(self, tensor: Any) -> list[str]:
         """The dims along which ``tensor`` holds the same values on every rank.

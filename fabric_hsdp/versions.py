@@ -232,6 +232,17 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
+def slice_with_flattened(mesh: Any, names: tuple[str, ...]) -> Any:
+    """``mesh[names]`` where some of ``names`` were made by :func:`flatten_mesh` on ``mesh`` (torchtitan's
+    ``world_mesh["dp_replicate", "dp_shard_cp"]``). torch 2.11-2.14 warn that this "will be deprecated in PT 2.11"
+    and still do it; the replacement (``_unflatten``) is missing before 2.11."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Slicing a flattened dim from root mesh")
+        return mesh[names]
+
+
 # torch.distributed.tensor._utils
 
 
@@ -257,6 +268,25 @@ def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import wait_tensor
 
     return wait_tensor(tensor)
+
+
+def all_to_all_single(
+    tensor: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None, group: Any
+) -> torch.Tensor:
+    """The functional ``all_to_all_single`` (no gradient): rows ``input_splits`` to each rank, ``output_splits``
+    from each (``None``: even)."""
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    return all_to_all_single(tensor, output_splits, input_splits, group)
+
+
+def all_to_all_single_autograd(
+    tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any
+) -> torch.Tensor:
+    """The differentiable functional ``all_to_all_single``: backward sends the gradients the opposite way."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(tensor, output_splits, input_splits, group)
 
 
 def c10d_functional_ops() -> Any:
