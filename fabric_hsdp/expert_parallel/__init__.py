@@ -141,9 +141,10 @@ def expert_parallel_forward(
         ones = torch.ones(local_ids.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         out = forward(experts, rows, local_ids.unsqueeze(-1), ones)
         if rows.shape[0] == 0:
-            # no row for this rank's experts: tie the (empty) output to the weights, so their gradient is zeros
-            # rather than None and the experts' reduce-scatter runs here as on every other rank
-            out = out + sum(weight.sum() for weight in weights) * 0
+            # no row for this rank's experts: the model's forward may then use neither the rows nor the weights (the
+            # eager loop skips experts without rows). The empty output tied to both, backward still runs the rows'
+            # exchange and the experts' gradient reduction (of zeros) here, as on every other rank of the group
+            out = out + (rows.sum() + sum(weight.sum() for weight in weights)) * 0
     return combine(out, route, top_k_weights, group)
 
 

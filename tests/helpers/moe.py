@@ -17,6 +17,7 @@ from torch import nn
 VOCAB = 256
 SEQ = 16
 KINDS = ("qwen3_moe", "mixtral", "litgpt_moe")
+FUSED_KINDS = ("qwen3_moe", "mixtral", "olmoe")  # experts as fused parameters: what expert parallelism splits
 TOKENS = torch.arange(2 * SEQ).remainder(VOCAB).view(2, SEQ)
 
 
@@ -42,6 +43,12 @@ def config(kind: str) -> Any:
 
         return MixtralConfig(
             **common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01
+        )
+    if kind == "olmoe":
+        from transformers import OlmoeConfig
+
+        return OlmoeConfig(
+            **common, intermediate_size=32, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01
         )
     from dataclasses import replace
 
@@ -78,6 +85,10 @@ def layer_class(kind: str) -> type[nn.Module]:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
         return Qwen3MoeDecoderLayer
+    if kind == "olmoe":
+        from transformers.models.olmoe.modeling_olmoe import OlmoeDecoderLayer
+
+        return OlmoeDecoderLayer
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
     return MixtralDecoderLayer

@@ -1739,4 +1739,46 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
     ),
+    "41a": Plant(
+        "expert gradients averaged over all data-parallel ranks (#41)",
+        "the experts' local weights pass their gradient back whole: each sums the tokens of the expert group's 2"
+        " ranks and FSDP averages over (replicate, expert_shard) only, so expert gradients are 2x",
+        (("        name: _ScaleGradient.apply(p.to_local(), 1 / size)\n", "        name: p.to_local()\n"),),
+        ("tests/test_expert_parallel.py::test_three_steps_with_accumulation_and_recompute_match_one_process",),
+    ),
+    "41b": Plant(
+        "a rank whose experts receive no row still reduces their gradients (#41)",
+        "the empty output is not tied to the experts' weights: that rank's experts get no gradient and skip the"
+        " reduce-scatter the other ranks run",
+        (("        if rows.shape[0] == 0:\n", "        if False:\n"),),
+        ("tests/test_expert_parallel.py::test_a_rank_whose_experts_get_no_token_takes_part_and_gets_zero_gradients",),
+    ),
+    "41c": Plant(
+        "selective activation checkpointing keeps the token exchange (#41)",
+        "the all-to-all is not in the saved ops: selective recompute runs the forward's exchanges again in backward",
+        (('"all_gather_into_tensor", "all_to_all_single"):\n', '"all_gather_into_tensor"):\n'),),
+        ("tests/test_expert_parallel.py::test_three_steps_with_accumulation_and_recompute_match_one_process",),
+    ),
+    "41d": Plant(
+        "each received row computed by its own expert (#41)",
+        "the received rows are labelled with their experts in the wrong order (the counts read expert-major)",
+        (
+            (
+                "    expert_of_row = torch.repeat_interleave(local_ids, received_counts.reshape(-1))\n",
+                "    expert_of_row = torch.repeat_interleave(local_ids, received_counts.t().reshape(-1))\n",
+            ),
+        ),
+        ("tests/test_expert_parallel.py::test_three_steps_with_accumulation_and_recompute_match_one_process",),
+    ),
+    "41e": Plant(
+        "the expert dim innermost: expert groups are consecutive ranks of one node (#41)",
+        "the coordinates put the expert index first: rank f * N + e read as (e, f)",
+        (
+            (
+                "            return (replica, *divmod(position, self.expert_parallel_size))\n",
+                "            return (replica, *reversed(divmod(position, self.expert_parallel_size)))\n",
+            ),
+        ),
+        ("tests/test_topology.py::test_expert_parallel_splits_the_shard_dim_with_the_expert_dim_innermost",),
+    ),
 }

@@ -1,0 +1,202 @@
+"""Expert parallelism (#41): each MoE layer's experts split over the expert dim, tokens exchanged all-to-all.
+
+Tiny transformers MoE models (4 experts, top-2) on 2 simulated nodes x 2 ranks with ``expert_parallel_size=2``:
+three steps of two accumulated micro-batches with activation checkpointing and gradient clipping, against one
+process accumulating the same micro-batches (and against expert_parallel_size=1), by the suite's noise rule, the
+first step's gradients (the experts' included) too. Routing forced to one rank's experts shows a rank that receives
+no row still takes part in every collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers import moe
+from tests.helpers.counters import OpCounter
+from tests.helpers.launch import launch
+from tests.helpers.parity import Trained, beyond_noise, distance, gradient_distance, sampler_rows
+from tests.helpers.training import batch, full_state, make_fabric
+
+LEARNING_RATE = 1e-2
+MICRO_BATCH = 2
+ACCUMULATE = 2
+MAX_NORM = 0.5
+STEPS = 3
+# the sharded run's first-step gradients may differ from one process's by this many times the distance between two
+# one-process runs that differ only in the order of the micro-batches, and at least by MIN_GRADIENT (fp32 rounding)
+GRADIENT_NOISE_FACTOR, MIN_GRADIENT = 10, 1e-6
+
+
+def _one_process(kind: str, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: list) -> tuple[Trained, dict]:
+    """One process accumulating ``micro_batches`` (lists of rows), clipping and stepping as the ranks do; the trained
+    model and its first step's gradients."""
+    model = moe.build(kind, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses, norms, gradients = [], [], {}
+    for step in range(STEPS):
+        step_loss = 0.0
+        for rows in micro_batches:
+            loss = moe.loss_of(model, inputs[rows], targets[rows]) / len(micro_batches)
+            loss.backward()
+            step_loss += loss.item()
+        if step == 0:
+            gradients = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return Trained(losses, norms, {name: t.detach().clone() for name, t in model.state_dict().items()}), gradients
+
+
+def _gathered_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad).detach().clone()
+        for name, param in model.module.named_parameters()
+    }
+
+
+def _train_sharded(fabric: Any, kind: str, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """Train STEPS steps of ACCUMULATE micro-batches; the trained state, first gradients and the all-to-alls that
+    one micro-batch's backward ran."""
+    model = fabric.setup_module(moe.build(kind, seed=0))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(inputs, targets), batch_size=MICRO_BATCH))
+    losses, norms, gradients = [], [], {}
+    for step in range(STEPS):
+        micro_batches = list(loader)
+        assert len(micro_batches) == ACCUMULATE
+        step_loss = torch.zeros(())
+        for index, (rows_in, rows_out) in enumerate(micro_batches):
+            with fabric.no_backward_sync(model, enabled=index < ACCUMULATE - 1):
+                loss = moe.loss_of(model, rows_in, rows_out)
+                fabric.backward(loss / ACCUMULATE)
+            step_loss += loss.detach() / ACCUMULATE
+        if step == 0:
+            gradients = _gathered_gradients(model)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(step_loss, reduce_op="mean").item())
+    loss = moe.loss_of(model, *micro_batches[0])
+    with OpCounter() as counter:
+        fabric.backward(loss)
+    optimizer.zero_grad()
+    trained = Trained(losses, norms, full_state(model))
+    return {"trained": trained, "gradients": gradients, "all_to_alls_in_backward": counter.counts["all_to_all_single"]}
+
+
+VARIANTS = {
+    "ep2 full": {"expert_parallel_size": 2, "activation_checkpointing_mode": "full"},
+    "ep2 selective": {"expert_parallel_size": 2, "activation_checkpointing_mode": "selective"},
+    "ep1 full": {"expert_parallel_size": 1, "activation_checkpointing_mode": "full"},
+}
+
+
+def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
+    """Each variant against one process; the floor: one process with the micro-batches in reverse order."""
+    layers = {moe.layer_class(kind)}
+    fabrics = {
+        label: make_fabric(num_nodes, devices, activation_checkpointing=layers, **options)
+        for label, options in VARIANTS.items()
+    }
+    replicas = fabrics["ep2 full"].strategy.distributed_sampler_kwargs["num_replicas"]
+    inputs, targets = batch(MICRO_BATCH * ACCUMULATE * replicas)
+    micro_batches = [
+        rows[start : start + MICRO_BATCH]
+        for rank in range(replicas)
+        for rows in [sampler_rows(len(inputs), replicas, rank)]
+        for start in range(0, len(rows), MICRO_BATCH)
+    ]
+    reference, exact = _one_process(kind, inputs, targets, micro_batches)
+    reversed_order, reversed_gradients = _one_process(kind, inputs, targets, micro_batches[::-1])
+    gradient_floor = gradient_distance(reversed_gradients, exact)["value"]
+    facts: dict[str, Any] = {"floor": distance(reversed_order, reference), "gradient_floor": gradient_floor}
+    for label, fabric in fabrics.items():
+        run = _train_sharded(fabric, kind, inputs, targets)
+        facts[label] = {
+            "distance": distance(run["trained"], reference),
+            "gradients": gradient_distance(run["gradients"], exact),
+            "all_to_alls_in_backward": run["all_to_alls_in_backward"],
+        }
+    return facts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", moe.FUSED_KINDS)
+def test_three_steps_with_accumulation_and_recompute_match_one_process(kind):
+    values = launch("tests.test_expert_parallel:train", {"kind": kind}, timeout=240).check().values
+    for rank, facts in enumerate(values):
+        gradient_tolerance = max(GRADIENT_NOISE_FACTOR * facts["gradient_floor"], MIN_GRADIENT)
+        for label in VARIANTS:
+            run = facts[label]
+            assert not beyond_noise(run["distance"], facts["floor"]), (rank, label, run, facts["floor"])
+            # the worst tensor of the first step's gradients, experts included, relative to the global norm
+            assert run["gradients"]["value"] <= gradient_tolerance, (rank, label, run["gradients"], gradient_tolerance)
+        # backward of one micro-batch, per MoE layer: the two row exchanges mirrored (2), plus under full recompute
+        # the forward's three again (counts, rows there, rows back); selective keeps the forward's outputs
+        assert facts["ep2 full"]["all_to_alls_in_backward"] == 2 * 5, facts
+        assert facts["ep2 selective"]["all_to_alls_in_backward"] == 2 * 2, facts
+        assert facts["ep1 full"]["all_to_alls_in_backward"] == 0, facts
+
+
+@contextmanager
+def _routing_to_first_experts(model: torch.nn.Module) -> Iterator[None]:
+    """Every token routed to experts 0 and 1 (rank 0's of the expert group), the routing weights kept."""
+
+    def force(module: torch.nn.Module, args: Any, output: tuple) -> tuple:
+        logits, weights, index = output
+        return logits, weights, torch.stack([torch.zeros_like(index[:, 0]), torch.ones_like(index[:, 1])], dim=-1)
+
+    routers = [sub for name, sub in model.named_modules() if name.endswith("mlp.gate")]
+    handles = [router.register_forward_hook(force) for router in routers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _built(kind: str, experts_implementation: str) -> torch.nn.Module:
+    model = moe.build(kind, seed=0)
+    model.config._experts_implementation = experts_implementation  # what from_pretrained(experts_implementation=) sets
+    return model
+
+
+def one_rank_gets_every_token(num_nodes: int, devices: int, kind: str, implementation: str) -> dict[str, Any]:
+    """One step with every token routed to the first rank's experts: the second rank receives no row."""
+    fabric = make_fabric(num_nodes, devices, expert_parallel_size=2)
+    model = fabric.setup_module(_built(kind, implementation))
+    replicas = fabric.strategy.distributed_sampler_kwargs["num_replicas"]
+    inputs, targets = batch(MICRO_BATCH * replicas)
+    rows = sampler_rows(len(inputs), replicas, fabric.global_rank)
+    with _routing_to_first_experts(model):
+        fabric.backward(moe.loss_of(model, inputs[rows], targets[rows]))
+    gradients = _gathered_gradients(model)
+    reference = _built(kind, implementation)
+    with _routing_to_first_experts(reference):
+        for rank in range(replicas):
+            rows = sampler_rows(len(inputs), replicas, rank)
+            (moe.loss_of(reference, inputs[rows], targets[rows]) / replicas).backward()
+    exact = {name: param.grad for name, param in reference.named_parameters() if param.grad is not None}
+    unused = sorted(name for name, param in reference.named_parameters() if param.grad is None)
+    return {"gradients": gradient_distance(gradients, exact), "unused": unused}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_a_rank_whose_experts_get_no_token_takes_part_and_gets_zero_gradients(implementation):
+    # transformers' experts forwards: eager loops over the experts that got rows (none: no use of the weights),
+    # grouped_mm multiplies by all of them
+    args = {"kind": "qwen3_moe", "implementation": implementation}
+    values = launch("tests.test_expert_parallel:one_rank_gets_every_token", args, timeout=90)
+    for facts in values.check().values:
+        assert facts["gradients"]["value"] < 1e-6, facts
