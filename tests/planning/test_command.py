@@ -66,7 +66,7 @@ def test_table_marks_the_recommended_row_and_says_why(capsys, tmp_path):
     assert code == 0, err
     lines = out.splitlines()
     marked = [line for line in lines if line.startswith("->")]
-    assert len(marked) == 1 and marked[0].split()[1:4] == ["8", "1", "2x8"]
+    assert len(marked) == 1 and marked[0].split()[1:5] == ["8", "1", "1", "2x8"]
     assert "50.0 GB/s between nodes (per node)" in out and "inter-node time" in out
     winner = "recommended: shard_size=8 (one node), mesh (2, 8), micro-batch 1 x 1 accumulation step, activation"
     assert any(line.startswith(winner) for line in lines)
