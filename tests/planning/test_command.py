@@ -122,7 +122,7 @@ def test_worked_examples_in_the_docs_are_the_tools_output(capsys, monkeypatch):
     monkeypatch.chdir(repository)
     text = (repository / "docs" / "concepts.md").read_text()
     blocks = re.findall(r"```\n\$ fabric-hsdp (plan [^\n]*)\n(.*?)\n```", text, re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 6
     for command, shown in blocks:
         _, out, err = run(capsys, *shlex.split(command))
         assert (out + err).rstrip("\n") == shown, command
