@@ -84,6 +84,8 @@ class RunTopology:
         from fabric_hsdp.planning.auto import auto_topology, describe_choice, smallest_budget
 
         budget = smallest_budget(self.memory_budget, self._device)  # a collective: before fail_together
+        # expert_parallel_size=1 is the strategy's default: the plan weighs every size; another is the user's
+        experts = None if self.expert_parallel_size == 1 else self.expert_parallel_size
         with fail_together("HybridFSDPStrategy(shard_size='auto')"):
             topology, plan = auto_topology(
                 module,
@@ -91,6 +93,7 @@ class RunTopology:
                 tensor_parallel_size=self.tensor_parallel_size,
                 tensor_parallel_plan=tensor_parallel_plan,
                 training=training,
+                expert_parallel_size=experts,
                 **self._cluster,
             )
         info_on_rank_zero(_logger, "%s", describe_choice(plan))

@@ -199,7 +199,8 @@ def _planned(session: Any, notes: list[str]) -> PlannedMemory | None:
         notes.append("no forward seen: the planner's activations are for 1 x 2048 tokens")
     workload = Workload(int(batch), int(seq_len), _optimizer_kind(session.optimizers))
     training = strategy.planner_training(workload)
-    memory = memory_per_device(session.model_shape, training, topology.fsdp_size, topology.tensor_parallel_size)
+    sizes = (topology.fsdp_size, topology.tensor_parallel_size, topology.expert_parallel_size)
+    memory = memory_per_device(session.model_shape, training, *sizes)
     return PlannedMemory(
         parameters=memory.parameters,
         optimizer=memory.optimizer,

@@ -67,11 +67,13 @@ def auto_topology(
     tensor_parallel_plan: Any,
     training: Training,
     backend: str | None,
+    expert_parallel_size: int | None = None,
 ) -> tuple[Topology, Plan]:
     """Plan ``module`` with ``budget`` bytes per device; return the topology of the recommended layout and the plan.
 
-    The tensor-parallel size is the strategy's (the plan varies ``shard_size`` only); the split dims come from its
-    ``tensor_parallel_plan``. ``training`` is the strategy's (:func:`planner_training`): the levers (AC mode,
+    The tensor-parallel size is the strategy's; the split dims come from its ``tensor_parallel_plan``. The plan
+    varies ``shard_size`` and, for a mixture-of-experts model, the expert-parallel size (``expert_parallel_size``:
+    only that one). ``training`` is the strategy's (:func:`planner_training`): the levers (AC mode,
     sequence and loss parallel) change the activation estimate as ``fabric-hsdp plan``'s options do. The ranking is
     the plan's, at the strategy's micro-batch and checkpointing (``adapt=False``: the script's batch is what it is).
     No collectives.
@@ -82,11 +84,16 @@ def auto_topology(
     cluster = Cluster(num_nodes, ranks_per_node, budget, backend="gloo" if backend == "gloo" else "nccl")
     model = model_shape_of_module(module, tensor_parallel_plan=tensor_parallel_plan)
     # the script's micro-batch and checkpointing are fixed: the rows differ only in shard_size (adapt=False)
-    plan = make_plan(model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size], adapt=False)
-    shard_size = recommended_layout(plan, tensor_parallel_size).layout.shard_size
+    experts = None if expert_parallel_size is None else [expert_parallel_size]
+    plan = make_plan(
+        model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size], adapt=False,
+        expert_parallel_sizes=experts,
+    )  # fmt: skip
+    chosen = recommended_layout(plan, tensor_parallel_size).layout
     # the plan only holds layouts Topology.resolve accepted; resolving again keeps one source of truth
     world = num_nodes * ranks_per_node
-    return Topology.resolve(shard_size, num_nodes, ranks_per_node, world, tensor_parallel_size), plan
+    sizes = (tensor_parallel_size, chosen.expert_parallel_size)
+    return Topology.resolve(chosen.shard_size, num_nodes, ranks_per_node, world, *sizes), plan
 
 
 def describe_choice(plan: Plan) -> str:

@@ -3,7 +3,9 @@
 A layout is a :class:`~fabric_hsdp.topology.Topology`: ``shard_size`` ranks hold one copy of the model, tensor
 parallelism splits it ``T`` ways and FSDP ``S = shard_size / T`` ways, ``R = world / shard_size`` replicas; the
 mesh is ``(replicate, shard[, tensor])`` with tensor innermost, global rank ``(r S + s) T + t``. The planner asks
-``Topology.resolve`` which layouts exist, so it never offers one the strategy would refuse.
+``Topology.resolve`` which layouts exist, so it never offers one the strategy would refuse. Expert parallelism of
+degree ``N`` (a mixture-of-experts model's) splits the shard dim into ``(expert_shard, expert)``, mesh
+``(R, shard_size / N, N)``.
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from fabric_hsdp.topology import Topology
 
 
 def candidate_layouts(
-    num_nodes: int, ranks_per_node: int, tensor_parallel_sizes: list[int] | None = None
+    num_nodes: int,
+    ranks_per_node: int,
+    tensor_parallel_sizes: list[int] | None = None,
+    expert_parallel_sizes: list[int] | None = None,
 ) -> list[Topology]:
-    """Every layout ``Topology.resolve`` accepts, by shard size then tensor-parallel size.
+    """Every layout ``Topology.resolve`` accepts, by shard size, tensor-parallel size, then expert-parallel size.
 
     Args:
         tensor_parallel_sizes: Only these TP sizes (default: every divisor of ``ranks_per_node``).
+        expert_parallel_sizes: These EP sizes where the topology accepts them (default: 1 only; a mixture-of-experts
+            model's come from :func:`~fabric_hsdp.planning.experts.expert_parallel_sizes`).
     """
     if num_nodes < 1 or ranks_per_node < 1:
         raise ValueError(f"num_nodes({num_nodes}) and devices per node({ranks_per_node}) must be positive.")
@@ -26,10 +33,11 @@ def candidate_layouts(
     layouts = []
     for shard_size in (d for d in range(1, world + 1) if world % d == 0):
         for tensor in sizes:
-            try:
-                layouts.append(Topology.resolve(shard_size, num_nodes, ranks_per_node, world, tensor))
-            except ValueError:
-                continue  # the strategy would refuse it too
+            for expert in expert_parallel_sizes or [1]:
+                try:
+                    layouts.append(Topology.resolve(shard_size, num_nodes, ranks_per_node, world, tensor, expert))
+                except ValueError:
+                    continue  # the strategy would refuse it too
     return layouts
 
 
@@ -42,7 +50,7 @@ def layout_summary(topology: Topology) -> str:
         span = "one node" if nodes == 1 else f"{nodes} nodes"
     else:
         span = f"{topology.shard_size} of a node's {topology.ranks_per_node} ranks"
-    tensor = topology.tensor_parallel_size
-    return f"shard_size={topology.shard_size} ({span}){f', tensor_parallel_size={tensor}' if tensor > 1 else ''}" + (
-        f", mesh {topology.mesh_shape}"
-    )
+    tensor, expert = topology.tensor_parallel_size, topology.expert_parallel_size
+    split = f", tensor_parallel_size={tensor}" if tensor > 1 else ""
+    split += f", expert_parallel_size={expert}" if expert > 1 else ""
+    return f"shard_size={topology.shard_size} ({span}){split}, mesh {topology.mesh_shape}"

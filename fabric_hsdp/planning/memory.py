@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fabric_hsdp.planning.experts import is_fused_expert, received_tokens_bytes
 from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims
 from fabric_hsdp.precision import PRECISION_DTYPES, PrecisionDtypes, canonical_precision
 
@@ -202,6 +203,8 @@ class Memory:
         gathered: Unsharded parameters and gradients at the start of backward: the root unit, two layers, the output
             head's gradient and one layer's gradient buffers.
         activations: Activations at the start of backward (an estimate).
+        received_tokens: Under expert parallelism, one MoE layer's rows received from the other ranks of its expert
+            group, with a margin for uneven routing (:mod:`~fabric_hsdp.planning.experts`).
         end_of_backward: Unsharded root unit and its gradient buffers at the end of backward.
         step_temporaries: Temporaries of the optimizer step (foreach AdamW: one tensor per parameter shard).
         host: Parameters, gradients and optimizer state in CPU memory with ``cpu_offload``.
@@ -215,21 +218,28 @@ class Memory:
     end_of_backward: int = 0
     step_temporaries: int = 0
     host: int = 0
+    received_tokens: int = 0
 
     @property
     def total(self) -> int:
         """The peak: parameters and optimizer state, plus the largest of three moments' transient memory."""
-        start = self.activations + self.gathered
+        start = self.activations + self.gathered + self.received_tokens
         end = self.gradients + self.end_of_backward
         step = self.gradients + self.step_temporaries
         return self.parameters + self.optimizer + max(start, end, step)
 
 
-def local_numel(parameter: ParameterShape, fsdp_size: int, tensor_parallel_size: int) -> tuple[int, int]:
-    """(elements of the largest local shard, elements of the padded unsharded TP-local tensor)."""
+def local_numel(
+    parameter: ParameterShape, fsdp_size: int, tensor_parallel_size: int, expert_parallel_size: int = 1
+) -> tuple[int, int]:
+    """(elements of the largest local shard, elements of the padded unsharded TP-local tensor). Under expert
+    parallelism a layer's fused experts are this rank's ``E / N`` experts, sharded over ``fsdp_size / N`` ranks."""
     shape = list(parameter.shape) or [1]
     if parameter.tensor_parallel_dim is not None and tensor_parallel_size > 1:
         shape[parameter.tensor_parallel_dim] //= tensor_parallel_size
+    if expert_parallel_size > 1 and is_fused_expert(parameter):
+        shape[0] //= expert_parallel_size
+        fsdp_size //= expert_parallel_size
     rows = math.ceil(shape[0] / fsdp_size)
     rest = math.prod(shape[1:])
     return rows * rest, rows * fsdp_size * rest
@@ -246,35 +256,54 @@ class UnitSize:
     trainable_local: int = 0  # of ``local``, the elements of trainable parameters
     trainable_unsharded: int = 0  # of ``unsharded``, the same
     trainable_tensors: int = 0
+    # of ``unsharded`` and ``trainable_unsharded``, the fused experts': under expert parallelism their own FSDP unit
+    # (gathered over the expert_shard group), counted with the layer's
+    expert_unsharded: int = 0
+    trainable_expert_unsharded: int = 0
 
 
-def unit_sizes(model: ModelShape, fsdp_size: int, tensor_parallel_size: int) -> dict[str, UnitSize]:
+def unit_sizes(
+    model: ModelShape, fsdp_size: int, tensor_parallel_size: int, expert_parallel_size: int = 1
+) -> dict[str, UnitSize]:
     """Per FSDP unit ('' = root), the elements a device holds and gathers (computed once per distinct unit)."""
-    key = ("unit_sizes", fsdp_size, tensor_parallel_size)
+    key = ("unit_sizes", fsdp_size, tensor_parallel_size, expert_parallel_size)
     if key not in model.cache:
         by_signature: dict[tuple, UnitSize] = {}
         sizes = {}
         for unit, parameters in model.units().items():
-            signature = tuple((p.shape, p.tensor_parallel_dim, p.trainable) for p in parameters)
+            signature = tuple((p.shape, p.tensor_parallel_dim, p.trainable, is_fused_expert(p)) for p in parameters)
             if signature not in by_signature:
-                numels = [local_numel(p, fsdp_size, tensor_parallel_size) for p in parameters]
-                by_signature[signature] = UnitSize(
-                    local=sum(local for local, _ in numels),
-                    unsharded=sum(padded for _, padded in numels),
-                    largest_tensor=max((padded for _, padded in numels), default=0),
-                    tensors=len(parameters),
-                    trainable_local=sum(local for (local, _), p in zip(numels, parameters) if p.trainable),
-                    trainable_unsharded=sum(padded for (_, padded), p in zip(numels, parameters) if p.trainable),
-                    trainable_tensors=sum(1 for p in parameters if p.trainable),
-                )
+                numels = [local_numel(p, fsdp_size, tensor_parallel_size, expert_parallel_size) for p in parameters]
+                by_signature[signature] = _unit_size(parameters, numels)
             sizes[unit] = by_signature[signature]
         model.cache[key] = sizes
     return model.cache[key]
 
 
-def memory_per_device(model: ModelShape, training: Training, fsdp_size: int, tensor_parallel_size: int) -> Memory:
-    """Bytes per device for a layout with FSDP degree ``fsdp_size`` and TP degree ``tensor_parallel_size``."""
-    sizes = unit_sizes(model, fsdp_size, tensor_parallel_size)
+def _unit_size(parameters: list[ParameterShape], numels: list[tuple[int, int]]) -> UnitSize:
+    trainable = [p.trainable for p in parameters]
+    experts = [is_fused_expert(p) for p in parameters]
+    return UnitSize(
+        local=sum(local for local, _ in numels),
+        unsharded=sum(padded for _, padded in numels),
+        largest_tensor=max((padded for _, padded in numels), default=0),
+        tensors=len(parameters),
+        trainable_local=sum(local for (local, _), keep in zip(numels, trainable) if keep),
+        trainable_unsharded=sum(padded for (_, padded), keep in zip(numels, trainable) if keep),
+        trainable_tensors=sum(trainable),
+        expert_unsharded=sum(padded for (_, padded), keep in zip(numels, experts) if keep),
+        trainable_expert_unsharded=sum(
+            padded for (_, padded), expert, train in zip(numels, experts, trainable) if expert and train
+        ),
+    )
+
+
+def memory_per_device(
+    model: ModelShape, training: Training, fsdp_size: int, tensor_parallel_size: int, expert_parallel_size: int = 1
+) -> Memory:
+    """Bytes per device for a layout with FSDP degree ``fsdp_size``, TP degree ``tensor_parallel_size`` and EP
+    degree ``expert_parallel_size``."""
+    sizes = unit_sizes(model, fsdp_size, tensor_parallel_size, expert_parallel_size)
     sharded = sum(size.local for size in sizes.values())
     trainable = sum(size.trainable_local for size in sizes.values())
     tensors = sum(size.trainable_tensors for size in sizes.values())
@@ -309,6 +338,7 @@ def memory_per_device(model: ModelShape, training: Training, fsdp_size: int, ten
         end_of_backward=end_of_backward,
         step_temporaries=state if optimizer == "adamw" and not offloaded else 0,
         host=parameters + state + optimizer_bytes if offloaded else 0,
+        received_tokens=received_tokens_bytes(model, training, expert_parallel_size),
     )
 
 

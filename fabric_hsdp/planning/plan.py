@@ -23,6 +23,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from fabric_hsdp.errors import NoLayoutFitsError
+from fabric_hsdp.planning.experts import expert_parallel_candidates, expert_parallel_problem
 from fabric_hsdp.planning.layout import candidate_layouts, layout_summary
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
 from fabric_hsdp.planning.model import ModelShape
@@ -153,6 +154,7 @@ class Plan:
     tensor_parallel_sizes: list[int] | None = None
     weigh_recompute: bool = True  # rows weigh selective and full activation checkpointing
     weigh_gathering: bool = True  # rows weigh keeping the weights gathered for the step
+    expert_parallel_sizes: list[int] | None = None  # the user's; None: every size the model and topology allow
 
     @property
     def usable_memory(self) -> int:
@@ -173,6 +175,7 @@ def make_plan(
     adapt: bool = True,
     weigh_recompute: bool = True,
     weigh_gathering: bool = True,
+    expert_parallel_sizes: list[int] | None = None,
 ) -> Plan:
     """Plan every layout the topology accepts (and the model can be split into) at one global batch; recommend one.
 
@@ -191,6 +194,8 @@ def make_plan(
             ``training``'s mode, where it needs it to fit).
         weigh_gathering: With ``adapt``, each row weighs keeping the weights gathered for the step (one gather per
             step) where that fits (else ``training``'s choice).
+        expert_parallel_sizes: Only these EP sizes (default: for a model with fused routed experts, every divisor
+            of its experts per layer that divides the shard group and the devices per node; else 1).
     """
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin={safety_margin!r} must be in [0, 1).")
@@ -205,8 +210,10 @@ def make_plan(
     batch = global_batch_size if given else default_global_batch(world, sizes, training.workload.micro_batch_size)
     usable = cluster.device_memory * (1 - safety_margin)
     rows, skipped = [], []
-    for layout in candidate_layouts(cluster.num_nodes, per_node, tensor_parallel_sizes):
+    experts = expert_parallel_sizes or expert_parallel_candidates(model)
+    for layout in candidate_layouts(cluster.num_nodes, per_node, tensor_parallel_sizes, experts):
         problem = model.tensor_parallel_problem(layout.tensor_parallel_size)
+        problem = problem or expert_parallel_problem(model, layout.expert_parallel_size)
         problem = problem or batch_problem(batch, layout.data_parallel_size)
         weigh = (weigh_recompute, weigh_gathering)
         row = None if problem else _plan_layout(model, cluster, training, layout, batch, usable, adapt, weigh)
@@ -218,7 +225,10 @@ def make_plan(
             skipped.append((layout, problem))
             continue
         rows.append(row)
-    plan = Plan(model, cluster, training, safety_margin, rows, skipped, None, "", batch, given, adapt, sizes, *weigh)
+    plan = Plan(
+        model, cluster, training, safety_margin, rows, skipped, None, "", batch, given, adapt, sizes, *weigh,
+        expert_parallel_sizes,
+    )  # fmt: skip
     best = recommend(rows, bool(cluster.assumed_bandwidths))
     if best is None:
         return plan
@@ -251,7 +261,9 @@ def _plan_layout(
         key = (chosen.checkpointing, kept)
         if key in seen:
             continue  # a larger micro-batch of these levers fits already: fewer gathers per step
-        memory = memory_per_device(model, chosen, layout.fsdp_size, layout.tensor_parallel_size)
+        memory = memory_per_device(
+            model, chosen, layout.fsdp_size, layout.tensor_parallel_size, layout.expert_parallel_size
+        )
         fits = with_headroom(memory).total <= usable
         last = (chosen, accumulation, memory)
         if fits:
@@ -363,7 +375,9 @@ def _replan(plan: Plan, sizes: list[int] | None, **changes: Cluster | Training) 
     batch = plan.global_batch_size if plan.global_batch_given else None
     cluster, training = changes.get("cluster", plan.cluster), changes.get("training", plan.training)
     weigh = (plan.weigh_recompute, plan.weigh_gathering)
-    return make_plan(plan.model, cluster, training, plan.safety_margin, sizes, batch, plan.adapt, *weigh)
+    return make_plan(
+        plan.model, cluster, training, plan.safety_margin, sizes, batch, plan.adapt, *weigh, plan.expert_parallel_sizes
+    )
 
 
 def _changes(training: Training, weighed: bool = False) -> list[tuple[frozenset[str], Training]]:

@@ -3,12 +3,14 @@
 Every row runs the same global batch, so times per step compare directly. The rows rank by the estimated step time
 (with the bandwidths given, else a stated typical interconnect), within 2 %. Near-ties go to the row with the least
 TP (its collectives sit on every layer's critical path, and it shrinks each device's matmuls, which the estimate
-does not count), then the least recompute (selective recomputes element-wise ops only, which the estimate does not
-count either), then not keeping the weights gathered (less memory), then (where a bandwidth was assumed: the
-estimate may be off) the fewest bytes between nodes, then the smallest shard group.
+does not count), then the least expert parallelism (its all-to-alls wait on the most loaded rank, which the
+estimate counts only on average), then the least recompute (selective recomputes element-wise ops only, which the
+estimate does not count either), then not keeping the weights gathered (less memory), then (where a bandwidth was
+assumed: the estimate may be off) the fewest bytes between nodes, then the smallest shard group.
 
 The sentence names the lever that won (activation checkpointing by mode, weights kept gathered for the step, or
-none) and by how much against the best option without it, and the runner-up: the best row of another layout.
+none) and by how much against the best option without it, the runner-up (the best row of another layout), and the
+best row of every other tensor- and expert-parallel size.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def recommend(rows: list[LayoutPlan], assumed: bool = False) -> LayoutPlan | Non
     def simplest(row: LayoutPlan) -> tuple:
         inter_node = (row.traffic.inter_node_bytes,) if assumed else ()
         recompute, kept = lever_cost(row)
-        return (row.layout.tensor_parallel_size, recompute, kept, *inter_node, row.layout.shard_size)
+        layout = row.layout
+        parallel = (layout.tensor_parallel_size, layout.expert_parallel_size)
+        return (*parallel, recompute, kept, *inter_node, layout.shard_size)
 
     return min(near_ties(fitting), key=simplest)
 
@@ -77,6 +81,11 @@ def _costs(row: LayoutPlan, winner: LayoutPlan) -> str:
         why.append("it recomputes more of the checkpointed layers' forward")
     if row.layout.tensor_parallel_size > winner.layout.tensor_parallel_size:
         why.append("more tensor-parallel collectives on every layer's critical path")
+    expert, best_expert = row.layout.expert_parallel_size, winner.layout.expert_parallel_size
+    if expert < best_expert:
+        why.append(f"it gathers {best_expert // expert}x the experts of every MoE layer")
+    if expert > best_expert:
+        why.append("its token all-to-alls sit on every MoE layer's critical path")
     return "; ".join(why)
 
 
@@ -86,24 +95,27 @@ def _gathers(row: LayoutPlan) -> int:
 
 
 def _alternatives(plan: Plan, row: LayoutPlan) -> list[str]:
-    """The best row of each other tensor-parallel size: its figure and why it lost."""
+    """The best row of each other tensor-parallel size and of each other expert-parallel size: its figure and why
+    it lost."""
     lines = []
-    for size in sorted({other.layout.tensor_parallel_size for other in plan.rows}):
-        if size == row.layout.tensor_parallel_size:
-            continue
-        of_size = [other for other in plan.rows if other.layout.tensor_parallel_size == size]
-        fitting = [other for other in of_size if other.fits]
-        label = f"tensor_parallel_size={size}"
-        if not fitting:
-            smallest = min(of_size, key=lambda other: other.total_with_headroom)
-            lines.append(
-                f"{label}: nothing fits (at best {format_bytes(smallest.total_with_headroom)} with"
-                f" {layout_summary(smallest.layout)}, {describe_step(smallest.training, smallest.step)})"
-            )
-            continue
-        best = min(fitting, key=ranking_cost)
-        lines.append(f"{label}: at best {_versus(best, row)}")
+    for name in ("tensor_parallel_size", "expert_parallel_size"):
+        for size in sorted({getattr(other.layout, name) for other in plan.rows}):
+            if size != getattr(row.layout, name):
+                of_size = [other for other in plan.rows if getattr(other.layout, name) == size]
+                lines.append(f"{name}={size}: {_best_of(of_size, row)}")
     return lines
+
+
+def _best_of(rows: list[LayoutPlan], winner: LayoutPlan) -> str:
+    """The best of ``rows`` against ``winner``; where none fits, the smallest."""
+    fitting = [other for other in rows if other.fits]
+    if not fitting:
+        smallest = min(rows, key=lambda other: other.total_with_headroom)
+        return (
+            f"nothing fits (at best {format_bytes(smallest.total_with_headroom)} with"
+            f" {layout_summary(smallest.layout)}, {describe_step(smallest.training, smallest.step)})"
+        )
+    return f"at best {_versus(min(fitting, key=ranking_cost), winner)}"
 
 
 def _versus(other: LayoutPlan, row: LayoutPlan) -> str:
@@ -201,7 +213,7 @@ def reason(plan: Plan, row: LayoutPlan) -> str:
         f" the estimated activations counted {ACTIVATION_HEADROOM:.0%} over)"
     )
     assumed = bool(plan.cluster.assumed_bandwidths)
-    then = "the least tensor parallelism, recompute and gathering" + (
+    then = "the least tensor and expert parallelism, recompute and gathering" + (
         ", the fewest bytes between nodes (the bandwidth is assumed)" if assumed else ""
     )
     ranked = f"the shortest estimated step time (within {_SAME_TIME:.0%}, then {then}, the smallest shard group)"

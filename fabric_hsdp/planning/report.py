@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fabric_hsdp.planning.experts import RECEIVED_TOKENS_HEADROOM
 from fabric_hsdp.planning.layout import layout_summary
 from fabric_hsdp.planning.plan import TYPICAL_FABRIC, LayoutPlan, Plan
 from fabric_hsdp.planning.step import ACTIVATION_HEADROOM
@@ -33,8 +34,9 @@ def plan_table(plan: Plan) -> str:
         _compute_line(plan),
         "",
     ]
-    header = ["", "shard", "TP", "mesh", "DP", "micro x acc.", "AC", "kept", "params", "grads", "optim", "gathered"]
-    header += ["activ.*", "total", "+headroom", "fits", "inter-node/step", "inter-node/token", "intra-node/step"]
+    header = ["", "shard", "TP", "EP", "mesh", "DP", "micro x acc.", "AC", "kept", "params", "grads", "optim"]
+    header += ["gathered", "activ.*", "tokens in", "total", "+headroom", "fits"]
+    header += ["inter-node/step", "inter-node/token", "intra-node/step"]
     header += ["inter-node time", "intra-node time", "compute", "step time", "tokens/s", "MFU"]
     table = [header]
     for row in plan.rows:
@@ -43,6 +45,7 @@ def plan_table(plan: Plan) -> str:
             "->" if row.recommended else "",
             str(row.layout.shard_size),
             str(row.layout.tensor_parallel_size),
+            str(row.layout.expert_parallel_size),
             "x".join(str(size) for size in row.layout.mesh_shape),
             str(row.data_parallel_size),
             f"{row.step.micro_batch_size} x {row.step.accumulation_steps}",
@@ -51,6 +54,7 @@ def plan_table(plan: Plan) -> str:
             *(format_bytes(value) for value in (memory.parameters, memory.gradients, memory.optimizer)),
             format_bytes(memory.gathered),
             format_bytes(memory.activations),
+            format_bytes(memory.received_tokens) if memory.received_tokens else "-",
             format_bytes(memory.total),
             format_bytes(row.total_with_headroom),
             "yes" if row.fits else "no",
@@ -68,7 +72,7 @@ def plan_table(plan: Plan) -> str:
     widths = [max(len(cells[column]) for cells in table) for column in range(len(header))]
     for cells in table:
         aligned = [
-            cell.ljust(width) if column in (0, 3) else cell.rjust(width)
+            cell.ljust(width) if column in (0, 4) else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(cells, widths))
         ]
         lines.append("  ".join(aligned).rstrip())
@@ -88,16 +92,20 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"skipped: {layout_summary(layout)}: {reason}")
     lines.append(ACTIVATIONS_NOTE)
     lines.append(
-        f"  DP: data-parallel ranks (world / TP); micro x acc.: sequences per micro-batch x micro-batches per step"
+        f"  EP: expert-parallel ranks (each MoE layer's experts split over them, tokens exchanged all-to-all); DP:"
+        " data-parallel ranks (world / TP); micro x acc.: sequences per micro-batch x micro-batches per step"
         f" (gradient accumulation), the largest micro-batch that fits; AC: activation checkpointing; kept: weights"
-        " kept gathered for the step (keep_gathered_while_accumulating=True: one gather per step); +headroom: the"
+        " kept gathered for the step (keep_gathered_while_accumulating=True: one gather per step); tokens in: one"
+        f" MoE layer's rows received from its expert group, counted {RECEIVED_TOKENS_HEADROOM:g}x the balanced"
+        " average for uneven routing; +headroom: the"
         f" total with the estimated activations counted {ACTIVATION_HEADROOM:.0%} over, what must fit;"
         " inter-node/step: bytes the busiest node sends to other nodes per optimizer step, /token: per token of"
         " the step; intra-node/step: bytes the busiest device sends within its node (ring collectives)"
         + "; time: those bytes over the bandwidth, not overlapped"
     )
     lines.append(
-        "  step time: max(compute, FSDP and replica traffic) + tensor-parallel traffic (on the critical path);"
+        "  step time: max(compute, FSDP and replica traffic) + tensor-parallel and all-to-all traffic (on the critical"
+        " path);"
         " compute = (6 N + 12 L d s) FLOPs per token (+ recompute: full AC the layers' forward, selective none of"
         " the matmuls) at the stated efficiency; MFU: model FLOPs over the peak (estimates, not measurements)"
     )
@@ -111,6 +119,8 @@ def strategy_call(row: LayoutPlan) -> str:
     if layout.tensor_parallel_size > 1:
         arguments.append(f"tensor_parallel_size={layout.tensor_parallel_size}")
         arguments += [f"{name}=True" for name in ("sequence_parallel", "loss_parallel") if getattr(training, name)]
+    if layout.expert_parallel_size > 1:
+        arguments.append(f"expert_parallel_size={layout.expert_parallel_size}")
     mode = training.checkpointing
     if mode != "none":
         arguments.append("activation_checkpointing={<the block class>}")
@@ -225,7 +235,12 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         },
         "layouts": [_row_dict(row) for row in plan.rows],
         "skipped": [
-            {"shard_size": layout.shard_size, "tensor_parallel_size": layout.tensor_parallel_size, "reason": reason}
+            {
+                "shard_size": layout.shard_size,
+                "tensor_parallel_size": layout.tensor_parallel_size,
+                "expert_parallel_size": layout.expert_parallel_size,
+                "reason": reason,
+            }
             for layout, reason in plan.skipped
         ],
         "recommended": None if plan.recommended is None else _row_dict(plan.recommended),
@@ -239,7 +254,9 @@ def _row_dict(row: LayoutPlan) -> dict[str, Any]:
     return {
         "shard_size": layout.shard_size,
         "tensor_parallel_size": layout.tensor_parallel_size,
+        "expert_parallel_size": layout.expert_parallel_size,
         "fsdp_size": layout.fsdp_size,
+        "expert_shard_size": layout.expert_shard_size,
         "replicate_size": layout.replicate_size,
         "mesh_shape": list(layout.mesh_shape),
         "mesh_dim_names": list(layout.mesh_dim_names),
@@ -256,6 +273,7 @@ def _row_dict(row: LayoutPlan) -> dict[str, Any]:
             "optimizer": memory.optimizer,
             "gathered": memory.gathered,
             "activations_estimate": memory.activations,
+            "received_tokens": memory.received_tokens,
             "total": memory.total,
         },
         "cpu_offload_bytes_per_device": memory.host,

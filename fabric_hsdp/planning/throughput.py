@@ -17,9 +17,10 @@ near-ties the ranking prefers less recompute). A device's compute per step is it
 ``T``, at ``device_flops x efficiency``.
 
 Step time (an estimate, stated in the table): FSDP's gathers and reduce-scatters and the replicas' all-reduce overlap
-with compute, tensor-parallel collectives sit on every layer's critical path, so
-``step = max(compute, inter-node bytes / inter-node bandwidth, FSDP and replica intra-node bytes / intra-node
-bandwidth) + TP bytes / intra-node bandwidth``; a bandwidth not given is not counted. MFU is the model FLOPs
+with compute, tensor-parallel collectives and expert parallelism's token all-to-alls (the experts wait for their
+tokens) sit on every layer's critical path, so ``step = max(compute, inter-node bytes / inter-node bandwidth, FSDP
+and replica intra-node bytes / intra-node bandwidth) + (TP + all-to-all bytes) / intra-node bandwidth``; a bandwidth
+not given is not counted. MFU is the model FLOPs
 (recompute excluded) per second over the devices' peak.
 """
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from fabric_hsdp.planning.memory import Training
 from fabric_hsdp.planning.model import ModelShape, ParameterShape
 from fabric_hsdp.planning.traffic import Traffic
-from fabric_hsdp.topology import TENSOR_DIM, Topology
+from fabric_hsdp.topology import EXPERT_DIM, TENSOR_DIM, Topology
 
 # H100 SXM's dense bf16 tensor-core peak: the default when bandwidths are given without --device_flops
 DEFAULT_DEVICE_FLOPS = 989e12
@@ -134,14 +135,15 @@ def throughput(
     model_flops, hardware_flops = flops_per_token(model, training)
     compute = tokens_per_rank * hardware_flops / layout.tensor_parallel_size / (peak * efficiency)
     intra_by_dim = traffic.intra_by_dim or {}
-    tensor_bytes = intra_by_dim.get(TENSOR_DIM, 0.0)
+    # on the critical path; the expert group is inside a node (the topology refuses otherwise)
+    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0) + intra_by_dim.get(EXPERT_DIM, 0.0)
     overlapped = [compute]
     if inter_node_bandwidth is not None:
         overlapped.append(traffic.inter_node_bytes / inter_node_bandwidth)
     exposed = 0.0
     if intra_node_bandwidth is not None:
-        overlapped.append((traffic.intra_node_bytes - tensor_bytes) / intra_node_bandwidth)
-        exposed = tensor_bytes / intra_node_bandwidth
+        overlapped.append((traffic.intra_node_bytes - critical_bytes) / intra_node_bandwidth)
+        exposed = critical_bytes / intra_node_bandwidth
     step = max(overlapped) + exposed
     per_second = tokens / step
     mfu = per_second * model_flops / (layout.world_size * peak)

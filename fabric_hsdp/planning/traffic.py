@@ -28,6 +28,11 @@ and TP degree ``T``:
   an int k; selective AC saves the collectives' outputs, so none). Sequence parallelism turns each all-reduce into a
   reduce-scatter and an all-gather: the same bytes. Loss parallel keeps the logits sharded: no logits all-gather.
   Once per micro-batch.
+* Expert parallelism of degree ``N`` (:mod:`~fabric_hsdp.planning.experts`): the fused experts' gathers and
+  reduce-scatters, as above, of this rank's ``E / N`` experts over the ``expert_shard`` group (``S / N`` ranks, every
+  ``N``-th rank of the copy: a ring crossing nodes at every edge when the copy spans nodes) instead of the shard
+  group; and the tokens' all-to-alls in the ``expert`` group (consecutive ranks of a node), each rank sending an equal
+  share to each other rank. Once per micro-batch.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fabric_hsdp.planning.experts import token_exchange_bytes
 from fabric_hsdp.planning.memory import Training, unit_sizes
 from fabric_hsdp.planning.model import ModelShape
-from fabric_hsdp.topology import REPLICATE_DIM, SHARD_DIM, TENSOR_DIM, Topology
+from fabric_hsdp.topology import EXPERT_DIM, EXPERT_SHARD_DIM, REPLICATE_DIM, SHARD_DIM, TENSOR_DIM, Topology
 
 BACKENDS = ("nccl", "gloo")
 
@@ -61,30 +67,64 @@ def traffic_per_step(
     ``training.workload`` each (see the module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
-    fsdp, tensor = layout.fsdp_size, layout.tensor_parallel_size
-    gathered_forward = gathered_backward = reduced = shard = 0.0
-    for unit, size in unit_sizes(model, fsdp, tensor).items():
-        gathered_forward += size.unsharded * training.compute_bytes
-        again = training.reshard_after_forward is True or (training.reshard_after_forward is None and unit != "")
-        gathered_backward += size.unsharded * training.compute_bytes if again else 0
-        reduced += size.trainable_unsharded * training.reduce_bytes  # frozen parameters have no gradient
-        shard += size.trainable_local * training.reduce_bytes
-    reduce_scatter_factor = 2.0 if backend == "gloo" else 1.0
-    # kept gathered for the step: gathered once, whatever the accumulation (and never again in backward)
-    gathers = 1 if training.keep_gathered_while_accumulating else accumulation_steps
-    per_edge = {
-        SHARD_DIM: _ring(fsdp)
-        * (gathers * (gathered_forward + gathered_backward) + accumulation_steps * reduce_scatter_factor * reduced),
-        REPLICATE_DIM: 2 * _ring(layout.replicate_size) * shard,
-        TENSOR_DIM: accumulation_steps * _tensor_parallel_edge_bytes(model, training, tensor),
-    }
-    inter: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}
-    intra_of: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in per_edge}
+    per_edge = _ring_edge_bytes(model, training, layout, backend, accumulation_steps)
+    exchanged = accumulation_steps * token_exchange_bytes(model, training, layout.expert_parallel_size)
+    inter: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in (*per_edge, EXPERT_DIM)}
+    intra_of: dict[str, dict[int, float]] = {dim: defaultdict(float) for dim in (*per_edge, EXPERT_DIM)}
     for dim, edge_bytes in per_edge.items():
         if edge_bytes == 0:
             continue
         for group in layout.rank_groups(dim):
             _count_ring(group, edge_bytes, layout.ranks_per_node, inter[dim], intra_of[dim])
+    if exchanged:
+        for group in layout.rank_groups(EXPERT_DIM):
+            _count_all_to_all(group, exchanged, layout.ranks_per_node, inter[EXPERT_DIM], intra_of[EXPERT_DIM])
+    return _busiest(inter, intra_of)
+
+
+@dataclass
+class _Volume:
+    """Bytes one micro-batch gathers in forward and in backward, and reduces, of some parameters of the units."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    reduced: float = 0.0
+
+    def add(self, gathered: float, reduced: float, again: bool, training: Training) -> None:
+        self.forward += gathered * training.compute_bytes
+        self.backward += gathered * training.compute_bytes if again else 0
+        self.reduced += reduced * training.reduce_bytes  # frozen parameters have no gradient
+
+    def per_step(self, gathers: int, reductions: int, reduce_scatter_factor: float) -> float:
+        return gathers * (self.forward + self.backward) + reductions * reduce_scatter_factor * self.reduced
+
+
+def _ring_edge_bytes(
+    model: ModelShape, training: Training, layout: Topology, backend: str, accumulation_steps: int
+) -> dict[str, float]:
+    """Bytes each rank sends its successor in one step, per mesh dim of the ring collectives."""
+    fsdp, tensor, expert = layout.fsdp_size, layout.tensor_parallel_size, layout.expert_parallel_size
+    dense, experts, shard = _Volume(), _Volume(), 0.0  # experts: the fused experts under expert parallelism
+    for unit, size in unit_sizes(model, fsdp, tensor, expert).items():
+        again = training.reshard_after_forward is True or (training.reshard_after_forward is None and unit != "")
+        split, trainable_split = (size.expert_unsharded, size.trainable_expert_unsharded) if expert > 1 else (0, 0)
+        dense.add(size.unsharded - split, size.trainable_unsharded - trainable_split, again, training)
+        experts.add(split, trainable_split, again, training)
+        shard += size.trainable_local * training.reduce_bytes
+    reduce_scatter_factor = 2.0 if backend == "gloo" else 1.0
+    # kept gathered for the step: gathered once, whatever the accumulation (and never again in backward)
+    gathers = 1 if training.keep_gathered_while_accumulating else accumulation_steps
+    return {
+        SHARD_DIM: _ring(fsdp) * dense.per_step(gathers, accumulation_steps, reduce_scatter_factor),
+        EXPERT_SHARD_DIM: _ring(layout.expert_shard_size)
+        * experts.per_step(gathers, accumulation_steps, reduce_scatter_factor),
+        REPLICATE_DIM: 2 * _ring(layout.replicate_size) * shard,
+        TENSOR_DIM: accumulation_steps * _tensor_parallel_edge_bytes(model, training, tensor),
+    }
+
+
+def _busiest(inter: dict[str, dict[int, float]], intra_of: dict[str, dict[int, float]]) -> Traffic:
+    """The busiest node's and device's bytes from the counts per mesh dim."""
     intra: dict[int, float] = defaultdict(float)
     for counts in intra_of.values():
         for rank, count in counts.items():
@@ -134,3 +174,21 @@ def _count_ring(
             inter[source // ranks_per_node] += edge_bytes
         else:
             intra[source] += edge_bytes
+
+
+def _count_all_to_all(
+    group: Iterable[int], sent_bytes: float, ranks_per_node: int, inter: dict[int, float], intra: dict[int, float]
+) -> None:
+    """Each rank of ``group`` sends ``sent_bytes`` split evenly over the others (balanced routing)."""
+    ranks = list(group)
+    if len(ranks) < 2:
+        return
+    to_each = sent_bytes / (len(ranks) - 1)
+    for source in ranks:
+        for target in ranks:
+            if target == source:
+                continue
+            if source // ranks_per_node != target // ranks_per_node:
+                inter[source // ranks_per_node] += to_each
+            else:
+                intra[source] += to_each

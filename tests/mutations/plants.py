@@ -780,9 +780,10 @@ PLANTS: dict[str, Plant] = {
         "the FSDP units' sizes leave out the fused expert tensors (3-D)",
         (
             (
-                "                numels = [local_numel(p, fsdp_size, tensor_parallel_size) for p in parameters]\n",
-                "                numels = [local_numel(p, fsdp_size, tensor_parallel_size) for p in parameters"
-                " if len(p.shape) < 3]\n",
+                "                numels = [local_numel(p, fsdp_size, tensor_parallel_size, expert_parallel_size)"
+                " for p in parameters]\n",
+                "                numels = [local_numel(p, fsdp_size, tensor_parallel_size, expert_parallel_size)"
+                " if len(p.shape) < 3 else (0, 0) for p in parameters]\n",
             ),
         ),
         ("tests/planning/test_moe_plan.py::test_memory_and_all_gathers_hold_every_expert",),
@@ -1608,10 +1609,8 @@ PLANTS: dict[str, Plant] = {
         "near-ties go to the least recompute first: the 8B recipe at 8192 tokens gets TP 2",
         (
             (
-                "        return (row.layout.tensor_parallel_size, recompute, kept, *inter_node,"
-                " row.layout.shard_size)\n",
-                "        return (recompute, row.layout.tensor_parallel_size, kept, *inter_node,"
-                " row.layout.shard_size)\n",
+                "        return (*parallel, recompute, kept, *inter_node, layout.shard_size)\n",
+                "        return (recompute, *parallel, kept, *inter_node, layout.shard_size)\n",
             ),
         ),
         ("tests/planning/test_expert.py::test_torchtitans_published_recipes",),
@@ -1780,5 +1779,104 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         ("tests/test_topology.py::test_expert_parallel_splits_the_shard_dim_with_the_expert_dim_innermost",),
+    ),
+    "41p1": Plant(
+        "the planner's expert dim: the gathered experts are a layer's E/N (#41)",
+        "a rank's fused experts are not divided by the expert-parallel size (all E experts over S/N ranks)",
+        (
+            (
+                "        shape[0] //= expert_parallel_size\n        fsdp_size //= expert_parallel_size\n",
+                "        fsdp_size //= expert_parallel_size\n",
+            ),
+        ),
+        (
+            "tests/planning/test_expert_parallel_plan.py::test_memory_divides_the_gathered_experts_and_adds_the_received_tokens",
+        ),
+    ),
+    "41p2": Plant(
+        "the planner's expert dim: four all-to-alls per MoE layer and micro-batch (#41)",
+        "the token all-to-all counted once per MoE layer instead of 4 times (dispatch, combine, forward, backward)",
+        (("EXCHANGES = 4\n", "EXCHANGES = 1\n"),),
+        ("tests/planning/test_expert_parallel_plan.py::test_qwen3_30b_expert_bytes_with_ep8_are_a_ninth_of_fsdp_only",),
+    ),
+    "41p3": Plant(
+        "the planner's expert dim: full recompute runs the forward all-to-alls again (#41)",
+        "full activation checkpointing's recomputed all-to-alls not counted (4 instead of 6)",
+        (
+            (
+                "    return EXCHANGES + 2 * training.checkpointed_layers(num_layers) / num_layers\n",
+                "    return EXCHANGES\n",
+            ),
+        ),
+        ("tests/planning/test_expert_parallel_plan.py::test_qwen3_30b_expert_bytes_with_ep8_are_a_ninth_of_fsdp_only",),
+    ),
+    "41p4": Plant(
+        "the planner's expert dim: gloo's reduce-scatter of the experts is an all-reduce (#41)",
+        "the experts' reduce-scatter counted as NCCL's on gloo too",
+        (
+            (
+                "        * experts.per_step(gathers, accumulation_steps, reduce_scatter_factor),\n",
+                "        * experts.per_step(gathers, accumulation_steps, 1.0),\n",
+            ),
+        ),
+        ("tests/planning/test_expert_parallel_plan.py::test_gloo_reduce_scatters_the_experts_as_all_reduces",),
+    ),
+    "41p5": Plant(
+        "the planner's expert dim: the experts' FSDP group is expert_shard, S/N ranks (#41)",
+        "the experts' gathers ring over the whole shard group's size instead of the expert_shard group's",
+        (
+            (
+                "        EXPERT_SHARD_DIM: _ring(layout.expert_shard_size)\n",
+                "        EXPERT_SHARD_DIM: _ring(layout.shard_size)\n",
+            ),
+        ),
+        ("tests/planning/test_expert_parallel_plan.py::test_mixtral_and_qwen3_235b_with_and_without_ep",),
+    ),
+    "41p6": Plant(
+        "the planner's expert dim: a dense model never gets EP (#41)",
+        "make_plan skips the model's expert-parallel check: a dense model asked for EP 2 gets EP 2 rows",
+        (("        problem = problem or expert_parallel_problem(model, layout.expert_parallel_size)\n", ""),),
+        ("tests/planning/test_expert_parallel_plan.py::test_a_dense_model_never_gets_ep",),
+    ),
+    "41p7": Plant(
+        "the planner's expert dim: received tokens counted with a margin for uneven routing (#41)",
+        "the received rows counted at the balanced average (no imbalance margin)",
+        (("RECEIVED_TOKENS_HEADROOM = 2.0\n", "RECEIVED_TOKENS_HEADROOM = 1.0\n"),),
+        (
+            "tests/planning/test_expert_parallel_plan.py::test_memory_divides_the_gathered_experts_and_adds_the_received_tokens",
+        ),
+    ),
+    "41p8": Plant(
+        "the planner's expert dim: shard_size='auto' returns the chosen expert-parallel size (#41)",
+        "auto_topology resolves the chosen shard_size without its expert_parallel_size",
+        (
+            (
+                "    sizes = (tensor_parallel_size, chosen.expert_parallel_size)\n",
+                "    sizes = (tensor_parallel_size, 1)\n",
+            ),
+        ),
+        ("tests/planning/test_expert_parallel_plan.py::test_shard_size_auto_returns_the_chosen_expert_parallel_size",),
+    ),
+    "41p9": Plant(
+        "the planner's expert dim: the all-to-alls sit on the critical path (#41)",
+        "the token all-to-alls counted as overlapped with compute, like FSDP's gathers",
+        (
+            (
+                "    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0) + intra_by_dim.get(EXPERT_DIM, 0.0)\n",
+                "    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0)\n",
+            ),
+        ),
+        ("tests/planning/test_expert_parallel_plan.py::test_the_plan_proposes_ep8_for_qwen3_30b_on_2x8",),
+    ),
+    "41p10": Plant(
+        "the planner's expert dim: the run-it line names expert_parallel_size (#41)",
+        "strategy_call leaves expert_parallel_size out",
+        (
+            (
+                '        arguments.append(f"expert_parallel_size={layout.expert_parallel_size}")\n',
+                "        pass\n",
+            ),
+        ),
+        ("tests/planning/test_expert_parallel_plan.py::test_the_plan_proposes_ep8_for_qwen3_30b_on_2x8",),
     ),
 }

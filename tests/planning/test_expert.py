@@ -111,8 +111,9 @@ LLAMA_3_1_405B = {"hidden_size": 16384, "intermediate_size": 53248, "num_attenti
                   "num_hidden_layers": 126, "max_position_embeddings": 131072}  # fmt: skip
 
 
-# Qwen3-MoE (the published configs: 30B-A3B, 235B-A22B), same clusters and training. The planner offers no expert
-# parallelism and refuses TP on experts, so the choices are the shard group and recompute.
+# Qwen3-MoE (the published configs: 30B-A3B, 235B-A22B), same clusters and training, without expert parallelism
+# (expert_parallel_sizes=[1]; tests/planning/test_expert_parallel_plan.py has the answers with it). The planner
+# refuses TP on experts, so the choices are the shard group and recompute.
 MOE_EXPERT_TABLE = {
     # 30.5 B parameters at 16 B each: 61 GB of state per GPU in one node's group leaves no room for the gathered MoE
     # layers (each all 128 experts) and activations within 72 GB usable, even with recompute; over both nodes it is
@@ -287,7 +288,7 @@ def test_table_and_json_show_the_step_and_rates(shapes):
     for column in ("DP", "micro x acc.", "AC", "+headroom", "inter-node/token", "step time", "tokens/s", "MFU"):
         assert column in header
     marked = next(line for line in table.splitlines() if line.startswith("->")).split()
-    assert marked[1:9] == ["8", "1", "2x8", "16", "1", "x", "1", "off"]
+    assert marked[1:10] == ["8", "1", "1", "2x8", "16", "1", "x", "1", "off"]
     assert "989 TFLOP/s per device (assumed: H100 dense bf16; pass --device_flops) at 40% efficiency" in table
 
 
@@ -323,7 +324,7 @@ def test_the_recommendation_for_moe_models_is_the_experts(moe_shapes, size, node
     model = moe_shapes[size]
     assert round(model.num_parameters / 1e9, 2) == {"30B-A3B": 30.53, "235B-A22B": 235.09}[size]  # published totals
     training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
-    plan = make_plan(model, Cluster(nodes, 8, "80GB", **FABRICS[fabric]), training)
+    plan = make_plan(model, Cluster(nodes, 8, "80GB", **FABRICS[fabric]), training, expert_parallel_sizes=[1])
     assert answer(plan) == MOE_EXPERT_TABLE[(size, nodes, fabric)]
 
 
