@@ -1879,4 +1879,76 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/planning/test_expert_parallel_plan.py::test_the_plan_proposes_ep8_for_qwen3_30b_on_2x8",),
     ),
+    "41c1": Plant(
+        "expert parallelism: a raw load fills each rank's box of experts from the DTensor's placements (#41)",
+        "a rank's box of an expert-parallel tensor is taken in rank order within its copy (rank 1 of 1 x 4 with"
+        " shard_size='world' reads expert 1, which rank 2 holds), in every load mode",
+        (
+            (
+                "    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,"
+                " tensor.placements)\n",
+                "    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,"
+                " tensor.placements)\n"
+                "    if len(tensor.placements) == 3 and sizes[0] < tensor.shape[0]:\n"
+                "        import torch.distributed as dist\n"
+                "        offsets = ((dist.get_rank() % (tensor.shape[0] // sizes[0])) * sizes[0], *offsets[1:])\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_expert_parallel_checkpoints.py::test_hub_directory_loads_raw_at_expert_parallel_2_each_rank_reading_its_own_experts[1x4-world]",
+        ),
+        expect="weights_differ",
+    ),
+    "41c2": Plant(
+        "expert parallelism: split replica reads split the experts too (#41)",
+        "split replica reads skip tensors on the 3-D expert-parallel mesh: every replica reads its experts whole"
+        " (values exact, twice the bytes)",
+        (
+            (
+                "        and REPLICATE_DIM in mesh.replicated_dims(tensor)\n",
+                "        and REPLICATE_DIM in mesh.replicated_dims(tensor)\n        and tensor.device_mesh.ndim == 2\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_expert_parallel_checkpoints.py::test_hub_directory_loads_raw_at_expert_parallel_2_each_rank_reading_its_own_experts[2x2-node-split-replica-reads]",
+            "tests/checkpoint/test_expert_parallel_checkpoints.py::test_sharded_save_at_expert_parallel_1_resumes_at_2_with_split_replica_reads",
+        ),
+        expect="bytes_read",
+    ),
+    "41c3": Plant(
+        "expert parallelism: a resume restores the experts' AdamW state (#41)",
+        "a sharded load allocates no optimizer state for the experts, so their moments are not restored",
+        (
+            (
+                "            entries = saved.get(next(iter(fqns)))\n",
+                "            entries = None if '.experts.' in name else saved.get(next(iter(fqns)))\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_expert_parallel_checkpoints.py::test_sharded_save_at_expert_parallel_2_resumes_at_another_size_model_and_adamw_exactly",
+            "tests/checkpoint/test_expert_parallel_checkpoints.py::test_sharded_save_at_expert_parallel_1_resumes_at_2_with_split_replica_reads",
+        ),
+        expect="Missing optimizer state for parameter 'model.layers.0.mlp.experts.gate_up_proj'",
+    ),
+    "41c4": Plant(
+        "expert parallelism: full exports gather the experts whole (#41)",
+        "a full export gathers DTensors on the 3-D expert-parallel mesh only over FSDP, keeping the rank's experts",
+        (
+            (
+                "    if isinstance(tensor, DTensor):\n        tensor = tensor.full_tensor()\n    if not request:\n",
+                "    if isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 3:\n"
+                "        tensor = tensor.redistribute(placements=[Replicate(), Replicate(), tensor.placements[2]])\n"
+                "        tensor = tensor.to_local()\n"
+                "    elif isinstance(tensor, DTensor):\n        tensor = tensor.full_tensor()\n    if not request:\n",
+            ),
+            (
+                "    from torch.distributed.tensor import DTensor\n\n    if request:\n        _broadcast_name(name)\n",
+                "    from torch.distributed.tensor import DTensor, Replicate\n\n    if request:\n"
+                "        _broadcast_name(name)\n",
+            ),
+        ),
+        (
+            "tests/checkpoint/test_expert_parallel_checkpoints.py::test_full_exports_of_an_expert_parallel_model_hold_the_experts_whole",
+        ),
+    ),
 }
