@@ -31,11 +31,14 @@ class RunTopology:
         tensor_parallel_size: int,
         memory_budget: int | str | None,
         workload: Workload | None,
-        expert_parallel_size: int = 1,
+        expert_parallel_size: int | None = None,
     ) -> None:
         self.shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
         self.tensor_parallel_size = tensor_parallel_size
-        self.expert_parallel_size = validate_expert_parallel_size(expert_parallel_size)
+        # None: 1, or with shard_size="auto" the planner's choice
+        self.expert_parallel_size = (
+            None if expert_parallel_size is None else validate_expert_parallel_size(expert_parallel_size)
+        )
         self.memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self.workload = workload
         self._topology: Topology | None = None
@@ -73,7 +76,7 @@ class RunTopology:
         self._cluster = {"num_nodes": num_nodes, "ranks_per_node": ranks_per_node, "backend": backend}
         self._device = device
         if self.shard_size != "auto":
-            tensor, expert = self.tensor_parallel_size, self.expert_parallel_size
+            tensor, expert = self.tensor_parallel_size, self.expert_parallel_size or 1
             topology = Topology.resolve(self.shard_size, num_nodes, ranks_per_node, world_size, tensor, expert)
             self._use(topology)
 
@@ -84,8 +87,6 @@ class RunTopology:
         from fabric_hsdp.planning.auto import auto_topology, describe_choice, smallest_budget
 
         budget = smallest_budget(self.memory_budget, self._device)  # a collective: before fail_together
-        # expert_parallel_size=1 is the strategy's default: the plan weighs every size; another is the user's
-        experts = None if self.expert_parallel_size == 1 else self.expert_parallel_size
         with fail_together("HybridFSDPStrategy(shard_size='auto')"):
             topology, plan = auto_topology(
                 module,
@@ -93,7 +94,7 @@ class RunTopology:
                 tensor_parallel_size=self.tensor_parallel_size,
                 tensor_parallel_plan=tensor_parallel_plan,
                 training=training,
-                expert_parallel_size=experts,
+                expert_parallel_size=self.expert_parallel_size,
                 **self._cluster,
             )
         info_on_rank_zero(_logger, "%s", describe_choice(plan))

@@ -66,9 +66,10 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             module-name patterns to styles, or a callable ``(model, tensor_mesh) -> None``.
         sequence_parallel: Under TP, keep the activations between layers split by sequence.
         loss_parallel: Under TP, keep the logits split by vocabulary; use ``strategy.loss_parallel()`` for the loss.
-        expert_parallel_size: Ranks of a node that split each mixture-of-experts layer's experts among them (default
-            1: none); each token goes to the rank holding its expert and back (all-to-all). Divides the shard group,
-            the ranks per node and the experts per layer.
+        expert_parallel_size: Ranks of a node that split each mixture-of-experts layer's experts among them; each
+            token goes to the rank holding its expert and back (all-to-all). Divides the shard group, the ranks per
+            node and the experts per layer. Default ``None``: 1 (none), or with ``shard_size="auto"`` the planner's
+            choice.
         reshard_after_forward: FSDP2's option (``None``: FSDP2 decides).
         keep_gathered_while_accumulating: Keep every unit's parameters gathered from the first forward of an
             optimizer step to the last backward: inside ``fabric.no_backward_sync(model, enabled=True)`` the units
@@ -107,7 +108,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         tensor_parallel_plan: TensorParallelPlan = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
-        expert_parallel_size: int = 1,
+        expert_parallel_size: int | None = None,
         reshard_after_forward: bool | int | None = None,
         keep_gathered_while_accumulating: bool = False,
         activation_checkpointing: ModulePolicy | None = None,
