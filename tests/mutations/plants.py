@@ -1739,4 +1739,30 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/tensor_parallel/test_training.py::test_training_with_tensor_parallelism_matches_single_process",),
     ),
+    "41b1": Plant(
+        "expert parallelism's bytes per step are those of the formula (#41 measured)",
+        "each layer's experts, an FSDP unit of their own, stay gathered from forward to backward: the backward"
+        " all-gather is skipped and the experts' bytes fall to 3/4 of the formula's (2 b_p + 2 b_r)",
+        (
+            (
+                '        fully_shard(child, **{**kwargs, "mesh": experts.mesh})\n',
+                '        fully_shard(child, **{**kwargs, "mesh": experts.mesh, "reshard_after_forward": False})\n',
+            ),
+        ),
+        ("tests/test_expert_bytes.py::test_counted_expert_and_all_to_all_bytes_match_the_formula",),
+        expect="experts all-gather + reduce-scatter",
+    ),
+    "41b2": Plant(
+        "the token all-to-all counted by the rows that leave the rank (#41 measured)",
+        "the benchmark's counter charges the rows a rank addresses to itself too: the token all-to-all counts"
+        " T k h b_a per exchange instead of (N-1)/N of it",
+        (
+            (
+                "    return sum(rows for peer, rows in enumerate(input_splits) if peer != rank) * row_bytes\n",
+                "    return sum(input_splits) * row_bytes\n",
+            ),
+        ),
+        ("tests/test_expert_bytes.py::test_counted_expert_and_all_to_all_bytes_match_the_formula",),
+        expect="token all-to-all",
+    ),
 }
