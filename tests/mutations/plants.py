@@ -1765,4 +1765,25 @@ PLANTS: dict[str, Plant] = {
         ("tests/test_expert_bytes.py::test_counted_expert_and_all_to_all_bytes_match_the_formula",),
         expect="token all-to-all",
     ),
+    "41b3": Plant(
+        "a dry run of an expert-parallel rank (#41 dry run)",
+        "the fake world's evenly split all-to-all is torch's fake one: the counts exchange hands back uninitialised"
+        " memory, and the row exchange's split sizes come from it",
+        (
+            (
+                "            return tensor.clone()  # every peer sends this rank what this rank sends it"
+                " (see the module docstring)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_world",),
+    ),
+    "41b4": Plant(
+        "a dry run of an expert-parallel rank (#41 dry run)",
+        "the dry run's training script reads --expert_parallel_size but does not pass it to the strategy: the rank"
+        " dry-runs FSDP only, every expert sharded by FSDP",
+        (("        expert_parallel_size=args.expert_parallel_size,\n", ""),),
+        ("tests/test_dryrun.py::test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_world",),
+        expect="assert [] == [(32, 32, 32)",
+    ),
 }
