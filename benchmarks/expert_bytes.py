@@ -350,25 +350,18 @@ def count_rank(
 
 def measure(case: Case, steps: int, routing: str, timeout: float, out_dir: Path) -> list[dict[str, Any]]:
     """Each rank's counted bytes per step for ``case``."""
-    from tests.helpers.launch import launch
+    from benchmarks._harness import run_ranks
 
-    result = launch(
+    args = {"shard_size": case.shard_size, "expert_parallel_size": case.expert_parallel_size}
+    args.update(steps=steps, routing=routing)
+    return run_ranks(
         "benchmarks.expert_bytes:count_rank",
-        {
-            "shard_size": case.shard_size,
-            "expert_parallel_size": case.expert_parallel_size,
-            "steps": steps,
-            "routing": routing,
-        },
-        num_nodes=case.num_nodes,
-        ranks_per_node=case.ranks_per_node,
+        args,
         timeout=timeout,
         out_dir=out_dir,
+        num_nodes=case.num_nodes,
+        ranks_per_node=case.ranks_per_node,
     )
-    if result.timed_out or any(code != 0 for code in result.returncodes) or any(v is None for v in result.values):
-        tail = "\n".join(f"--- rank {r.global_rank} exit {r.returncode}\n{r.stderr[-3000:]}" for r in result.ranks)
-        raise RuntimeError(f"{case.label} failed:\n{tail}")
-    return result.values
 
 
 def per_layer(counted: dict[str, float]) -> dict[str, float]:
