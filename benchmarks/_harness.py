@@ -41,12 +41,21 @@ class VariantFailed(RuntimeError):
     """A launched variant exited non-zero or ran past its timeout; the message holds every rank's output tail."""
 
 
-def run_ranks(function: str, args: dict[str, Any], *, timeout: float, out_dir: Path) -> list[dict[str, Any]]:
-    """Run ``function`` (``"benchmarks.module:function"``) on 2 nodes x 2 ranks; return each rank's dict, by rank."""
+def run_ranks(
+    function: str,
+    args: dict[str, Any],
+    *,
+    timeout: float,
+    out_dir: Path,
+    num_nodes: int = NUM_NODES,
+    ranks_per_node: int = RANKS_PER_NODE,
+) -> list[dict[str, Any]]:
+    """Run ``function`` (``"benchmarks.module:function"``) on ``num_nodes`` x ``ranks_per_node`` ranks (default
+    2 x 2); return each rank's dict, by rank."""
     from tests.helpers.launch import launch
 
     result = launch(
-        function, args, num_nodes=NUM_NODES, ranks_per_node=RANKS_PER_NODE, timeout=timeout, out_dir=out_dir
+        function, args, num_nodes=num_nodes, ranks_per_node=ranks_per_node, timeout=timeout, out_dir=out_dir
     )
     if result.timed_out or any(code != 0 for code in result.returncodes) or any(v is None for v in result.values):
         details = "\n".join(

@@ -280,6 +280,14 @@ def all_to_all_single(
     return all_to_all_single(tensor, output_splits, input_splits, group)
 
 
+def functional_collectives_module() -> Any:
+    """``torch.distributed._functional_collectives``, whose functions :func:`all_to_all_single` looks up at each call
+    (so a dry run can stand in for one)."""
+    import torch.distributed._functional_collectives as functional_collectives
+
+    return functional_collectives
+
+
 def all_to_all_single_autograd(
     tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any
 ) -> torch.Tensor:

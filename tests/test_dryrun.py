@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -280,3 +281,56 @@ def test_an_adapter_only_save_dry_runs_as_adapter_only(tmp_path):
     # this rank's quarter of the adapters and of their two AdamW moments, plus DCP's framing per entry (~1.8 KB)
     assert 3 * adapters // 4 <= save["written"] < 3 * adapters // 4 + 3000 * entries, (save["written"], adapters)
     assert save["written"] < report.local_parameter_bytes / 4  # the whole model's shards were 3x these bytes
+
+
+@pytest.mark.timeout(300)
+def test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_world(tmp_path):
+    """#41: rank 13 of 2 x 8 with expert_parallel_size=8 trains 2 steps of a Qwen3-MoE (8 experts, top-2): the
+    counts exchange answers this rank's own counts (without it the row exchange got uninitialised split sizes), the
+    rows' all-to-all runs with the uneven splits they give, and the report shows the 1 of 8 experts this rank holds."""
+    from fabric_hsdp.dryrun.train_script import __file__ as train_script
+    from tests.helpers import moe
+
+    config = moe.config("qwen3_moe")
+    config.num_experts = 8
+    config.save_pretrained(tmp_path / "model")
+    args = ["--model", str(tmp_path / "model"), "--expert_parallel_size", "8", "--precision", "32-true"]
+    args += ["--num_nodes", "2", "--devices", "8", "--steps", "5"]
+    import fabric_hsdp.expert_parallel as expert_parallel
+
+    received, dispatch = [], expert_parallel.dispatch
+
+    def recording_dispatch(hidden, top_k_index, *args):
+        rows, local_ids, route = dispatch(hidden, top_k_index, *args)
+        received.append((top_k_index.numel(), rows.shape[0], sum(route.received)))
+        return rows, local_ids, route
+
+    with mock.patch.object(expert_parallel, "dispatch", recording_dispatch):
+        report = dry_run(
+            train_script, args, num_nodes=2, devices_per_node=8, rank=13, max_steps=2, scratch=tmp_path / "s"
+        )
+
+    # the fake world's rule: every peer sends this rank what this rank sends it, so the experts here compute as many
+    # rows as this rank routed (16 tokens x top-2), in each of the 2 layers of 2 steps
+    assert received == [(32, 32, 32)] * 4
+    assert report.mesh_dim_names == ("replicate", "expert_shard", "expert")
+    assert (report.mesh_shape, report.coordinates, report.steps) == ((2, 1, 8), (1, 0, 5), 2)
+    experts = report.experts
+    assert (experts.layer, experts.experts, experts.expert_parallel_size) == ("model.layers.0.mlp.experts", 8, 8)
+    # expert 5 of 8 (its expert coordinate), whole: FSDP's expert_shard group is this rank alone
+    assert experts.shapes == {"gate_up_proj": ((1, 64, 64), (8, 64, 64)), "down_proj": ((1, 64, 32), (8, 64, 32))}
+    assert "split 8 ways over 'expert': this rank computes 1" in report.text()
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # the dense parameters: FSDP's chunk 5 of 8 (shard index expert_shard x 8 + expert); each layer's experts: 1 of 8
+    expected = sum(
+        parameter.numel() // 8 if ".experts." in name else shard_elements(tuple(parameter.shape), 5, 8)
+        for name, parameter in model.named_parameters()
+    )
+    assert report.local_parameters == expected
+    assert report.local_parameter_bytes == 4 * expected
+    assert {"setup", "step"} <= set(report.phases)
+    # the planner's FSDP-only figure is EP's here: each rank holds E/8 experts either way (expert_shard is 1)
+    assert report.planned is not None and report.planned.parameters == 4 * expected

@@ -7,6 +7,12 @@ active, the object collectives of ``torch.distributed`` (which this package, Lig
 ``dist.<name>``) answer what every rank would compute in a symmetric program: this rank's own object. DCP runs as a
 world of one (each rank plans its own chunks; DTensor offsets stay those of the real rank), and its check that a
 save plan covers every tensor whole is skipped, since the other ranks' chunks are not there.
+
+An all-to-all that decides the sizes of the next one (expert parallelism's exchange of per-expert row counts, which
+sets how many token rows each rank receives) would hand back uninitialised memory. An evenly split functional
+``all_to_all_single`` answers as if every peer sent this rank what this rank sends that peer: the input itself. Then
+a rank receives as many rows for its experts as it sends out (``tokens x top-k``, the average of a balanced router),
+whatever the untrained router picked; the row exchange that follows, with uneven splits, is torch's fake one.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from fabric_hsdp.versions import dcp_dist_wrapper, fake_store_class, passing_plan_validator
+from fabric_hsdp.versions import (
+    dcp_dist_wrapper,
+    fake_store_class,
+    functional_collectives_module,
+    passing_plan_validator,
+)
 
 _ACTIVE = False
 
@@ -45,6 +56,17 @@ def _all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> N
 def _gather_object(obj: Any, object_gather_list: list[Any] | None = None, *args: Any, **kwargs: Any) -> None:
     if object_gather_list is not None:
         _all_gather_object(object_gather_list, obj)
+
+
+def _all_to_all_single_as_sent(original: Any) -> Any:
+    def all_to_all_single(
+        tensor: Any, output_split_sizes: Any, input_split_sizes: Any, group: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if output_split_sizes is None and input_split_sizes is None:
+            return tensor.clone()  # every peer sends this rank what this rank sends it (see the module docstring)
+        return original(tensor, output_split_sizes, input_split_sizes, group, *args, **kwargs)
+
+    return all_to_all_single
 
 
 def _scatter_object_list(
@@ -95,6 +117,9 @@ def fake_process_group() -> Iterator[None]:
             ("scatter_object_list", _scatter_object_list),
         ):
             stack.enter_context(mock.patch.object(dist, name, replacement))
+        functional_collectives = functional_collectives_module()
+        even_all_to_all = _all_to_all_single_as_sent(functional_collectives.all_to_all_single)
+        stack.enter_context(mock.patch.object(functional_collectives, "all_to_all_single", even_all_to_all))
         stack.enter_context(mock.patch.object(dist_wrapper, "__init__", one_rank_wrapper))
         stack.enter_context(mock.patch.object(default_planner, "_validate_global_plan", passing_plan_validator()))
         _ACTIVE = True

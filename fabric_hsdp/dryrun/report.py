@@ -12,6 +12,34 @@ PHASES = ("setup", "load", "step", "save")
 
 
 @dataclass
+class ExpertsHeld:
+    """A mixture-of-experts layer's experts as this rank holds them (the first layer's; every layer is alike).
+
+    Attributes:
+        layer: The experts module's name.
+        experts: Experts per layer (``E``).
+        expert_parallel_size: Ranks the experts are split over (``N``); this rank computes ``E / N`` of them.
+        shapes: Each fused parameter's local shape (what this rank holds, after FSDP's share) and global shape.
+    """
+
+    layer: str
+    experts: int
+    expert_parallel_size: int
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+
+    def text(self) -> str:
+        held = ", ".join(f"{name} {list(local)} of {list(full)}" for name, (local, full) in self.shapes.items())
+        if self.expert_parallel_size == 1:
+            split = "not split (expert_parallel_size 1): sharded by FSDP"
+        else:
+            split = (
+                f"split {self.expert_parallel_size} ways over 'expert': this rank computes"
+                f" {self.experts // self.expert_parallel_size}"
+            )
+        return f"  experts: {self.experts} per layer, {split}; {self.layer} holds {held}"
+
+
+@dataclass
 class PlannedMemory:
     """The planner's bytes per device for the same layout and workload (``fabric-hsdp plan``'s formulas)."""
 
@@ -50,6 +78,7 @@ class DryRunReport:
     saves: list[dict[str, Any]]
     planned: PlannedMemory | None
     notes: list[str] = field(default_factory=list)
+    experts: ExpertsHeld | None = None
 
     @property
     def step_peak(self) -> int:
@@ -82,6 +111,7 @@ class DryRunReport:
             f" {size(self.local_parameter_bytes)})"
             if fraction
             else "  parameters held: none",
+            *([self.experts.text()] if self.experts else []),
             f"  steps: {self.steps} of --max_steps {self.max_steps}",
             "  memory above the start of fabric.launch(), peak per phase:",
         ]
@@ -165,7 +195,8 @@ def build_report(session: Any) -> DryRunReport:
         mesh_dim_names=tuple(topology.mesh_dim_names),
         coordinates=tuple(topology.coordinates(world.rank)),
         layout=f"shard_size {topology.shard_size}, tensor_parallel_size {topology.tensor_parallel_size},"
-        f" data-parallel rank {topology.data_parallel_rank(world.rank)} of {topology.data_parallel_size}",
+        + (f" expert_parallel_size {topology.expert_parallel_size}," if topology.expert_parallel_size > 1 else "")
+        + f" data-parallel rank {topology.data_parallel_rank(world.rank)} of {topology.data_parallel_size}",
         device=device,
         precision=strategy.precision_name,
         local_parameters=local,
@@ -178,7 +209,28 @@ def build_report(session: Any) -> DryRunReport:
         saves=[asdict(save) for save in session.saves],
         planned=_planned(session, notes),
         notes=notes,
+        experts=_experts_held(session.model, topology.expert_parallel_size),
     )
+
+
+def _experts_held(model: Any, expert_parallel_size: int) -> ExpertsHeld | None:
+    """The first mixture-of-experts layer's experts of ``model`` (set up) as this rank holds them; None without."""
+    from torch.distributed.tensor import DTensor
+
+    from fabric_hsdp.moe import expert_count, expert_modules
+
+    found = expert_modules(getattr(model, "module", model)) if model is not None else []
+    if not found:
+        return None
+    name, experts = found[0]
+    shapes = {
+        parameter_name: (
+            tuple((parameter.to_local() if isinstance(parameter, DTensor) else parameter).shape),
+            tuple(parameter.shape),
+        )
+        for parameter_name, parameter in experts.named_parameters(recurse=False)
+    }
+    return ExpertsHeld(name, expert_count(experts), expert_parallel_size, shapes)
 
 
 def _planned(session: Any, notes: list[str]) -> PlannedMemory | None:

@@ -9,6 +9,7 @@ transformers ``config.json`` (or its directory; built with ``AutoModelForCausalL
 the meta device (``empty_init=True``); ``--init_from`` fills them with ``fabric.load_raw``. ``--lora_r R``: LoRA
 adapters of rank R on every linear layer of the blocks, the base frozen, as ``examples/finetune.py --lora_r`` builds
 them (litgpt's ``lora.GPT``; peft's ``get_peft_model`` with ``target_modules="all-linear"``).
+``--expert_parallel_size N``: a mixture-of-experts model's experts split ``N`` ways (``HybridFSDPStrategy``'s own).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     parser.add_argument("--model", required=True)
     parser.add_argument("--shard_size", default="node")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--expert_parallel_size", type=int, default=1)
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--activation_checkpointing_mode", default="full", choices=["full", "selective"])
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         sharded_modules={block},
         shard_size=shard_size,
         tensor_parallel_size=args.tp,
+        expert_parallel_size=args.expert_parallel_size,
         activation_checkpointing={block} if args.activation_checkpointing else None,
         activation_checkpointing_mode=args.activation_checkpointing_mode,
         keep_gathered_while_accumulating=args.keep_gathered_while_accumulating,

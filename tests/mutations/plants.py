@@ -1951,4 +1951,51 @@ PLANTS: dict[str, Plant] = {
             "tests/checkpoint/test_expert_parallel_checkpoints.py::test_full_exports_of_an_expert_parallel_model_hold_the_experts_whole",
         ),
     ),
+    "41b1": Plant(
+        "expert parallelism's bytes per step are those of the formula (#41 measured)",
+        "each layer's experts, an FSDP unit of their own, stay gathered from forward to backward: the backward"
+        " all-gather is skipped and the experts' bytes fall to 3/4 of the formula's (2 b_p + 2 b_r)",
+        (
+            (
+                '        fully_shard(child, **{**kwargs, "mesh": experts.mesh})\n',
+                '        fully_shard(child, **{**kwargs, "mesh": experts.mesh, "reshard_after_forward": False})\n',
+            ),
+        ),
+        ("tests/test_expert_bytes.py::test_counted_expert_and_all_to_all_bytes_match_the_formula",),
+        expect="experts all-gather + reduce-scatter",
+    ),
+    "41b2": Plant(
+        "the token all-to-all counted by the rows that leave the rank (#41 measured)",
+        "the benchmark's counter charges the rows a rank addresses to itself too: the token all-to-all counts"
+        " T k h b_a per exchange instead of (N-1)/N of it",
+        (
+            (
+                "    return sum(rows for peer, rows in enumerate(input_splits) if peer != rank) * row_bytes\n",
+                "    return sum(input_splits) * row_bytes\n",
+            ),
+        ),
+        ("tests/test_expert_bytes.py::test_counted_expert_and_all_to_all_bytes_match_the_formula",),
+        expect="token all-to-all",
+    ),
+    "41b3": Plant(
+        "a dry run of an expert-parallel rank (#41 dry run)",
+        "the fake world's evenly split all-to-all is torch's fake one: the counts exchange hands back uninitialised"
+        " memory, and the row exchange's split sizes come from it",
+        (
+            (
+                "            return tensor.clone()  # every peer sends this rank what this rank sends it"
+                " (see the module docstring)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_world",),
+    ),
+    "41b4": Plant(
+        "a dry run of an expert-parallel rank (#41 dry run)",
+        "the dry run's training script reads --expert_parallel_size but does not pass it to the strategy: the rank"
+        " dry-runs FSDP only, every expert sharded by FSDP",
+        (("        expert_parallel_size=args.expert_parallel_size,\n", ""),),
+        ("tests/test_dryrun.py::test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_world",),
+        expect="assert [] == [(32, 32, 32)",
+    ),
 }
