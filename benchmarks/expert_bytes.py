@@ -1,5 +1,5 @@
 """Bytes each rank sends per training step, by collective: a mixture-of-experts model under FSDP only
-(``expert_parallel_size=1``) vs expert parallelism (``expert_parallel_size=N``), counted and against the formula.
+(``expert_parallel_size=1``) vs expert parallelism (``expert_parallel_size=N``), counted and against the planner.
 
 A Qwen3-MoE made locally (hidden 64, 2 layers, 8 experts of intermediate 64, top-2, vocab 256; fp32; the experts are
 88 % of the parameters) trains on 2 simulated nodes x 2 gloo ranks (``shard_size="node"``, mesh ``(2, 2)``) and on
@@ -16,7 +16,8 @@ all-to-all sends the rows of its input splits addressed to other ranks (its own 
 charged to the experts when the FSDP unit issuing them (the ``FSDPParamGroup`` unsharding or reducing) holds an experts
 module, to "rest" otherwise.
 
-Formula, per MoE layer and micro-batch, per rank (``P_e`` the layer's expert parameters, ``b_p``/``b_r`` bytes per
+Expected, per MoE layer and micro-batch, per rank (the first and third are the planner's, :func:`planner_bytes`;
+``P_e`` the layer's expert parameters, ``b_p``/``b_r`` bytes per
 parameter of the all-gathers and of the gradient reduction, ``S`` the shard group, ``N`` the expert-parallel size,
 ``e = S / N`` the expert shard group, ``R`` the replicas, ``T`` tokens per rank, ``k`` experts per token, ``h`` the
 hidden size, ``b_a`` bytes per activation):
@@ -97,31 +98,10 @@ CASES = (
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def expert_collective_bytes(
-    expert_params: int, shard_size: int, expert_parallel_size: int, param_bytes: int, grad_bytes: int, gloo: bool
-) -> float:
-    """Bytes a rank sends per MoE layer and micro-batch for the experts' all-gathers (forward and backward) and
-    gradient reduce-scatter: ``(e-1)/e (P_e/N) (2 b_p + g b_r)``, ``e = S/N``, ``g = 2`` on gloo (its reduce-scatter
-    is an all-reduce), 1 otherwise. FSDP only is ``expert_parallel_size=1``."""
-    expert_shard = shard_size // expert_parallel_size
-    reduce_factor = 2 if gloo else 1
-    held = expert_params / expert_parallel_size
-    return (expert_shard - 1) / expert_shard * held * (2 * param_bytes + reduce_factor * grad_bytes)
-
-
 def expert_replicate_bytes(expert_params: int, shard_size: int, replicate_size: int, grad_bytes: int) -> float:
     """Bytes a rank sends per MoE layer for the all-reduce of its experts' gradient shard over ``replicate`` (HSDP):
     ``2 (R-1)/R (P_e/S) b_r``, whatever the expert-parallel size."""
     return 2 * (replicate_size - 1) / replicate_size * expert_params / shard_size * grad_bytes
-
-
-def token_all_to_all_bytes(
-    tokens: int, top_k: int, hidden: int, activation_bytes: int, expert_parallel_size: int, exchanges: int = 4
-) -> float:
-    """Bytes a rank sends per MoE layer and micro-batch in the token all-to-alls: ``n T k h b_a (N-1)/N``, ``n = 4``
-    (dispatch and combine, each forward and backward), for routing spread evenly over the experts."""
-    n = expert_parallel_size
-    return exchanges * tokens * top_k * hidden * activation_bytes * (n - 1) / n
 
 
 def count_exchange_bytes(experts: int, expert_parallel_size: int) -> float:
@@ -130,16 +110,41 @@ def count_exchange_bytes(experts: int, expert_parallel_size: int) -> float:
     return (n - 1) / n * experts * COUNT_BYTES
 
 
+def planner_bytes(case: Case) -> dict[str, float]:
+    """The planner's bytes per rank and MoE layer (``fabric_hsdp.planning.traffic_per_step`` on gloo, at this
+    model, micro-batch and layout): the experts' share of the shard and ``expert_shard`` dims (the shard dim less
+    its bytes at ``N = S``, where it carries the dense units only) and the ``expert`` dim's all-to-alls."""
+    from transformers import AutoModelForCausalLM
+
+    from fabric_hsdp.planning import Training, Workload, traffic_per_step
+    from fabric_hsdp.planning.model import model_shape_of_module
+    from fabric_hsdp.topology import EXPERT_DIM, EXPERT_SHARD_DIM, SHARD_DIM, Topology
+
+    with torch.device("meta"):
+        model = model_shape_of_module(AutoModelForCausalLM.from_config(model_config()))
+    training = Training("32-true", Workload(BATCH, SEQ))
+
+    def rank_bytes(expert_parallel_size: int, dim: str) -> float:
+        layout = Topology.resolve(
+            case.shard_size, case.num_nodes, case.ranks_per_node, case.world_size, 1, expert_parallel_size
+        )
+        traffic = traffic_per_step(model, training, layout, "gloo")
+        # a rank's share: within its node, or of its node's bytes to other nodes
+        return (traffic.intra_by_dim[dim] or traffic.by_dim[dim] / case.ranks_per_node) / model.dims.expert_layers
+
+    size = case.expert_parallel_size
+    gathers = rank_bytes(size, SHARD_DIM) - rank_bytes(case.shard_size, SHARD_DIM) + rank_bytes(size, EXPERT_SHARD_DIM)
+    return {"experts all-gather + reduce-scatter": gathers, "token all-to-all": rank_bytes(size, EXPERT_DIM)}
+
+
 def formula(case: Case, expert_params: int) -> dict[str, float]:
-    """The formula's bytes per rank, per MoE layer and micro-batch, by part (fp32, gloo)."""
+    """The expected bytes per rank, per MoE layer and micro-batch, by part (fp32, gloo): the planner's for the
+    experts' gathers and the tokens, the hand formulas above for the replicas' all-reduce and the counts."""
     return {
-        "experts all-gather + reduce-scatter": expert_collective_bytes(
-            expert_params, case.shard_size, case.expert_parallel_size, FP32, FP32, gloo=True
-        ),
+        **planner_bytes(case),
         "experts replicate all-reduce": expert_replicate_bytes(
             expert_params, case.shard_size, case.replicate_size, FP32
         ),
-        "token all-to-all": token_all_to_all_bytes(BATCH * SEQ, TOP_K, HIDDEN, FP32, case.expert_parallel_size),
         "count exchange": count_exchange_bytes(EXPERTS, case.expert_parallel_size),
     }
 
