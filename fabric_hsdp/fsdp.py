@@ -163,10 +163,13 @@ def apply_fsdp(
     if settings.offload_policy is not None:
         kwargs["offload_policy"] = settings.offload_policy
     # Children first: an FSDP unit manages the parameters not already owned by a unit below it.
-    for child in experts.modules if experts else []:
-        fully_shard(child, **{**kwargs, "mesh": experts.mesh})
+    experts_units = experts.modules if experts else []
+    for child in experts_units:
+        by_rows = {"shard_placement_fn": _by_rows} if experts.by_rows else {}
+        fully_shard(child, **{**kwargs, "mesh": experts.mesh, **by_rows})
     for _, child in reversed(units):
-        fully_shard(child, **kwargs)
+        if not any(child is unit for unit in experts_units):  # sharded_modules naming the experts: a unit already
+            fully_shard(child, **kwargs)
     embeddings, tail = outer_units(module, units)
     for embedding in embeddings:
         fully_shard(embedding, **kwargs)
@@ -178,6 +181,12 @@ def apply_fsdp(
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_force_sum_reduction_for_comms(True)  # FSDP2 sums, then divides the shard itself
+
+
+def _by_rows(param: nn.Parameter) -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(1)
 
 
 def reduces_by_sum(mesh: DeviceMesh) -> bool:

@@ -218,10 +218,10 @@ def parallelize(
         )
         finish_collectives_before_units(module, units)
     if mesh.expert is not None:
-        from fabric_hsdp.expert_parallel import ExpertUnits, apply_expert_parallel
+        from fabric_hsdp.expert_parallel import apply_expert_parallel, expert_units
 
         split = apply_expert_parallel(module, mesh.expert)
-        experts = ExpertUnits([experts_module for _, experts_module in split], mesh.expert_fsdp)
+        experts = expert_units(split, mesh.expert_fsdp, mesh.topology.expert_parallel_size)
     if levers.activation_checkpointing is not None:
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:

@@ -200,3 +200,47 @@ def test_a_rank_whose_experts_get_no_token_takes_part_and_gets_zero_gradients(im
     values = launch("tests.test_expert_parallel:one_rank_gets_every_token", args, timeout=90)
     for facts in values.check().values:
         assert facts["gradients"]["value"] < 1e-6, facts
+
+
+def _two_experts(kind: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = moe.config(kind)
+    config.num_experts = 2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def rows_of_each_expert(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
+    """2 experts at expert_parallel_size=2 over 4 ranks of one node: expert shards of 2 ranks, one expert each, so
+    FSDP splits each expert's rows; sharded_modules names the experts class too (they are a unit already)."""
+    experts_class = type(_two_experts(kind).model.layers[0].mlp.experts)
+    sharded = {moe.layer_class(kind), experts_class}
+    fabric = make_fabric(num_nodes, devices, shard_size="world", expert_parallel_size=2, sharded_modules=sharded)
+    model = fabric.setup_module(_two_experts(kind))
+    inputs, targets = batch(MICRO_BATCH * fabric.world_size)
+    rows = sampler_rows(len(inputs), fabric.world_size, fabric.global_rank)
+    fabric.backward(moe.loss_of(model, inputs[rows], targets[rows]))
+    gradients = _gathered_gradients(model)
+    reference = _two_experts(kind)
+    for rank in range(fabric.world_size):
+        rows = sampler_rows(len(inputs), fabric.world_size, rank)
+        (moe.loss_of(reference, inputs[rows], targets[rows]) / fabric.world_size).backward()
+    exact = {name: param.grad for name, param in reference.named_parameters()}
+    experts = model.module.model.layers[0].mlp.experts
+    return {
+        "gradients": gradient_distance(gradients, exact),
+        "placements": str(experts.gate_up_proj.placements),
+        "local": list(experts.gate_up_proj.to_local().shape),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_experts_split_by_rows_where_expert_shards_outnumber_a_ranks_experts():
+    launched = launch("tests.test_expert_parallel:rows_of_each_expert", {"kind": "qwen3_moe"}, num_nodes=1,
+                      ranks_per_node=4, timeout=90)  # fmt: skip
+    for facts in launched.check().values:
+        assert facts["gradients"]["value"] < 1e-6, facts
+        # one expert of [2, 64, 64] per expert rank, its 64 rows halved over the expert shard: [1, 32, 64]
+        assert facts["placements"] == "(Replicate(), Shard(dim=1), Shard(dim=0))", facts
+        assert facts["local"] == [1, 32, 64], facts

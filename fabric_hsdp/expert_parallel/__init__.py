@@ -39,10 +39,22 @@ _logger = logging.getLogger(__name__)
 
 @dataclass
 class ExpertUnits:
-    """The experts modules to shard as FSDP units of their own, over ``mesh`` (``(replicate, expert_shard)``)."""
+    """The experts modules to shard as FSDP units of their own, over ``mesh`` (``(replicate, expert_shard)``).
+
+    ``by_rows``: FSDP shards them by their second dim (rows of each expert, ``Shard(1)``), as torchtitan does when
+    the expert shards outnumber a rank's experts (``expert_shard * N > E``), where ``Shard(0)`` would leave ranks
+    holding padding only."""
 
     modules: list[nn.Module]
     mesh: DeviceMesh
+    by_rows: bool = False
+
+
+def expert_units(experts: list[tuple[str, nn.Module]], mesh: DeviceMesh, expert_parallel_size: int) -> ExpertUnits:
+    """The split ``experts`` as FSDP units over ``mesh``, by rows where its ranks outnumber a rank's experts."""
+    count = expert_count(experts[0][1])
+    by_rows = mesh.size(-1) * expert_parallel_size > count
+    return ExpertUnits([module for _, module in experts], mesh, by_rows)
 
 
 def apply_expert_parallel(module: nn.Module, expert_mesh: DeviceMesh) -> list[tuple[str, nn.Module]]:

@@ -1957,8 +1957,8 @@ PLANTS: dict[str, Plant] = {
         " all-gather is skipped and the experts' bytes fall to 3/4 of the formula's (2 b_p + 2 b_r)",
         (
             (
-                '        fully_shard(child, **{**kwargs, "mesh": experts.mesh})\n',
-                '        fully_shard(child, **{**kwargs, "mesh": experts.mesh, "reshard_after_forward": False})\n',
+                '"mesh": experts.mesh, **by_rows})\n',
+                '"mesh": experts.mesh, **by_rows, "reshard_after_forward": False})\n',
             ),
         ),
         ("tests/test_expert_bytes.py::test_counted_expert_and_all_to_all_bytes_match_the_formula",),
@@ -1997,5 +1997,22 @@ PLANTS: dict[str, Plant] = {
         (("        expert_parallel_size=args.expert_parallel_size,\n", ""),),
         ("tests/test_dryrun.py::test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_world",),
         expect="assert [] == [(32, 32, 32)",
+    ),
+    "41f": Plant(
+        "experts split by rows where the expert shards outnumber a rank's experts (#41)",
+        "FSDP shards the experts by expert (Shard(0)) even with one expert over 2 expert-shard ranks",
+        (("    by_rows = mesh.size(-1) * expert_parallel_size > count\n", "    by_rows = False\n"),),
+        ("tests/test_expert_parallel.py::test_experts_split_by_rows_where_expert_shards_outnumber_a_ranks_experts",),
+    ),
+    "41g": Plant(
+        "sharded_modules naming the experts class under expert parallelism (#41)",
+        "the experts, a unit over their own mesh already, are sharded again as a unit of sharded_modules",
+        (
+            (
+                "        if not any(child is unit for unit in experts_units):",
+                "        if True:",
+            ),
+        ),
+        ("tests/test_expert_parallel.py::test_experts_split_by_rows_where_expert_shards_outnumber_a_ranks_experts",),
     ),
 }
