@@ -10,6 +10,7 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.topology import Topology, validate_expert_parallel_size, validate_shard_size
 from fabric_hsdp.units import parse_bytes
+from fabric_hsdp.versions import expert_parallel_unsupported
 
 if TYPE_CHECKING:
     from fabric_hsdp.planning.memory import Training, Workload
@@ -39,6 +40,11 @@ class RunTopology:
         self.expert_parallel_size = (
             None if expert_parallel_size is None else validate_expert_parallel_size(expert_parallel_size)
         )
+        if (expert_parallel_size or 1) > 1 and (reason := expert_parallel_unsupported()):
+            raise ValueError(
+                f"HybridFSDPStrategy(expert_parallel_size={expert_parallel_size}) cannot run here: {reason}. Upgrade"
+                " torch, or drop expert_parallel_size (the experts are then sharded by FSDP inside each layer)."
+            )
         self.memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self.workload = workload
         self._topology: Topology | None = None

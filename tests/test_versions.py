@@ -173,3 +173,16 @@ def test_gloo_reductions_are_summed_whatever_tensors_gloo_carries(monkeypatch):
     assert reduces_by_sum(Mesh("cpu", ["gloo", "gloo"]))
     assert not reduces_by_sum(Mesh("cuda", ["nccl", "nccl"]))
     assert not reduces_by_sum(Mesh("cuda", ["cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"]))
+
+
+def test_expert_parallelism_is_refused_at_construction_on_a_torch_that_cannot_run_it():
+    from fabric_hsdp import HybridFSDPStrategy
+
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if release < (2, 9):  # torch 2.8 (the floor of make test-range)
+        with pytest.raises(ValueError, match=r"expert_parallel_size=2\) cannot run here: torch 2\.8.*2\.9 or newer"):
+            HybridFSDPStrategy(expert_parallel_size=2)
+    else:  # tests/test_expert_parallel.py trains with it (run here on 2.9.1, 2.11, 2.13)
+        assert versions.expert_parallel_unsupported() is None
+        HybridFSDPStrategy(expert_parallel_size=2)
+    HybridFSDPStrategy(expert_parallel_size=1)  # every release
