@@ -137,7 +137,9 @@ def expert_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": forward})
 
 
-@torch.compiler.disable  # the exchange's sizes come from the counts (.tolist()): a compiled block runs it eagerly
+# left eager in a compiled block, as torchtitan leaves its dispatch (its sizes come from the counts, .tolist(): dynamo
+# would break the graph there anyway; tests/test_expert_parallel.py trains compiled blocks with and without this)
+@torch.compiler.disable
 def expert_parallel_forward(
     experts: nn.Module,
     forward: Any,
