@@ -137,8 +137,8 @@ def expert_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": forward})
 
 
-# left eager in a compiled block, as torchtitan leaves its dispatch (its sizes come from the counts, .tolist(): dynamo
-# would break the graph there anyway; tests/test_expert_parallel.py trains compiled blocks with and without this)
+# left eager in a compiled block, as torchtitan leaves its dispatch: its sizes come from the counts (.tolist()), where
+# dynamo would break the graph anyway (the compiled test's gradients were the same without this decorator)
 @torch.compiler.disable
 def expert_parallel_forward(
     experts: nn.Module,
