@@ -297,3 +297,44 @@ def test_compiled_blocks_and_bf16_mixed_under_expert_parallelism():
         floor = facts["ep1 bf16"]["gradients"]["value"]
         assert facts["ep2 bf16"]["gradients"]["value"] <= 1.5 * floor, facts
         assert facts["ep2 bf16"]["loss"] <= 1e-3, facts
+
+
+class _Mesh:
+    """As much of a DeviceMesh as the refusals read: its size (they run before any collective)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_refusals_name_the_layer_and_what_works():
+    from fabric_hsdp.expert_parallel import apply_expert_parallel
+    from tests.helpers.training import tiny_hf_llama
+
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2\) splits mixture-of-experts layers, but"
+                       r" LlamaForCausalLM has no module named 'experts'"):  # fmt: skip
+        apply_expert_parallel(tiny_hf_llama(), _Mesh(2))
+    with pytest.raises(ValueError, match=r"transformer.h.0.mlp.experts \(ModuleList\) holds its experts as a list of"
+                       r" modules .* expert_parallel_size=1 works"):  # fmt: skip
+        apply_expert_parallel(moe.build("litgpt_moe"), _Mesh(2))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\) holds 4 experts, which do"
+                       r" not divide by expert_parallel_size\(3\)"):  # fmt: skip
+        apply_expert_parallel(moe.build("qwen3_moe"), _Mesh(3))
+
+
+def test_lora_on_the_experts_is_refused_with_the_reason():
+    from peft import LoraConfig, get_peft_model
+
+    from fabric_hsdp.expert_parallel import apply_expert_parallel
+
+    # peft's LoRA on the fused expert parameters (target_parameters), beside the attention's
+    config = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    model = get_peft_model(moe.build("qwen3_moe"), config)
+    with pytest.raises(ValueError, match=r"experts .* carries LoRA adapters.* target_modules without the experts"):
+        apply_expert_parallel(model, _Mesh(2))
+    # adapters on the attention only: the experts split
+    attention_only = get_peft_model(moe.build("qwen3_moe"), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(AttributeError):  # past the checks: the stand-in mesh has no ranks to split over
+        apply_expert_parallel(attention_only, _Mesh(2))

@@ -2015,4 +2015,15 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_expert_parallel.py::test_experts_split_by_rows_where_expert_shards_outnumber_a_ranks_experts",),
     ),
+    "41i": Plant(
+        "LoRA on the experts refused under expert parallelism (#41)",
+        "the check for adapters on the experts is gone: peft's adapters on the fused experts would not be split",
+        (
+            (
+                '    if any("lora_" in param_name for param_name, _ in experts.named_parameters()) or hasattr(',
+                "    if False and (",
+            ),
+        ),
+        ("tests/test_expert_parallel.py::test_lora_on_the_experts_is_refused_with_the_reason",),
+    ),
 }
