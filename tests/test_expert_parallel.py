@@ -323,6 +323,20 @@ def test_refusals_name_the_layer_and_what_works():
                        r" not divide by expert_parallel_size\(3\)"):  # fmt: skip
         apply_expert_parallel(moe.build("qwen3_moe"), _Mesh(3))
 
+    class Experts(torch.nn.Module):  # fused, but rows already dispatched to it (Llama 4's TextExperts' forward)
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 4))
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return hidden_states
+
+    layer = torch.nn.Module()
+    layer.experts = Experts()
+    unknown = r"experts \(Experts\) is not an experts module expert parallelism knows: its forward takes"
+    with pytest.raises(ValueError, match=unknown + r" \('hidden_states',\), not the \(hidden_states, top_k_index"):
+        apply_expert_parallel(layer, _Mesh(2))
+
 
 def test_lora_on_the_experts_is_refused_with_the_reason():
     from peft import LoraConfig, get_peft_model

@@ -100,12 +100,35 @@ def _check_splittable(name: str, experts: nn.Module, size: int) -> None:
             " adapters on the attention and dense layers only (peft target_modules without the experts), or"
             " expert_parallel_size=1."
         )
+    if not _routed_forward(experts):
+        raise ValueError(
+            f"{what} is not an experts module expert parallelism knows: its forward takes"
+            f" {_forward_arguments(experts)}, not the (hidden_states, top_k_index, top_k_weights) of transformers 5's"
+            " @use_experts_implementation experts (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, ...)."
+            " expert_parallel_size=1 works: the experts are sharded by FSDP inside each layer."
+        )
     count = expert_count(experts)
     if count == 0 or count % size != 0:
         raise ValueError(
             f"{what} holds {count} experts, which do not divide by expert_parallel_size({size}): each rank of the"
             f" group holds the same number of experts. Choose a divisor of {count} that divides the ranks per node."
         )
+
+
+ROUTED_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def _forward_arguments(experts: nn.Module) -> tuple[str, ...]:
+    import inspect
+
+    return tuple(inspect.signature(type(experts).forward).parameters)[1:]
+
+
+def _routed_forward(experts: nn.Module) -> bool:
+    """Whether ``experts`` computes routed rows as transformers 5's decorated experts do (21 classes in 5.3): forward
+    ``(hidden_states, top_k_index, top_k_weights)``, the experts implementations' ``_apply_gate`` set. Not GPT-OSS's
+    ``(hidden_states, router_indices, routing_weights)``, Llama 4's pre-dispatched rows, Granite's ``expert_size``."""
+    return _forward_arguments(experts) == ROUTED_ARGUMENTS and hasattr(type(experts), "_apply_gate")
 
 
 def _split(experts: nn.Module, expert_mesh: DeviceMesh) -> None:
