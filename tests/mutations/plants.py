@@ -2026,4 +2026,10 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_expert_parallel.py::test_lora_on_the_experts_is_refused_with_the_reason",),
     ),
+    "41j": Plant(
+        "experts modules of another forward refused under expert parallelism (#41)",
+        "an experts module whose forward takes rows already dispatched is split like transformers' routed ones",
+        (("    if not _routed_forward(experts):\n", "    if False:\n"),),
+        ("tests/test_expert_parallel.py::test_refusals_name_the_layer_and_what_works",),
+    ),
 }
