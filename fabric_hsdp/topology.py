@@ -59,23 +59,21 @@ def validate_shard_size(shard_size: ShardSize) -> ShardSize:
 
 def validate_tensor_parallel_size(tensor_parallel_size: int) -> int:
     """Check the form of ``tensor_parallel_size`` before any process exists."""
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ValueError(
-            f"HybridFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}) is not valid: pass a positive number"
-            " of ranks that split each layer, a divisor of the devices per node (1 turns tensor parallelism off)."
-        )
-    return tensor_parallel_size
+    return _positive_size("tensor_parallel_size", tensor_parallel_size, "tensor", "split each layer")
 
 
 def validate_expert_parallel_size(expert_parallel_size: int) -> int:
     """Check the form of ``expert_parallel_size`` before any process exists."""
-    if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+    return _positive_size("expert_parallel_size", expert_parallel_size, "expert", "split each layer's experts")
+
+
+def _positive_size(argument: str, size: int, lever: str, what: str) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(
-            f"HybridFSDPStrategy(expert_parallel_size={expert_parallel_size!r}) is not valid: pass a positive number"
-            " of ranks that split each layer's experts, a divisor of the devices per node (1 turns expert"
-            " parallelism off)."
+            f"HybridFSDPStrategy({argument}={size!r}) is not valid: pass a positive number of ranks that {what}, a"
+            f" divisor of the devices per node (1 turns {lever} parallelism off)."
         )
-    return expert_parallel_size
+    return size
 
 
 @dataclass(frozen=True)
