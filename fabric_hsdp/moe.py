@@ -14,6 +14,9 @@ from typing import Any
 
 from torch import nn
 
+# what transformers 5 records the routers' outputs under (``_can_record_outputs``), for the load-balancing loss
+ROUTER_LOGITS = "router_logits"
+
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules holding a layer's experts (named ``experts``), by name, in model order."""
@@ -26,6 +29,30 @@ def expert_count(experts: nn.Module) -> int:
         return len(experts)
     fused = [param for param in experts.parameters(recurse=False) if param.ndim == 3]
     return fused[0].shape[0] if fused else 0
+
+
+def recorded_routers(model: nn.Module, within: nn.Module) -> list[nn.Module]:
+    """The modules below ``within`` (not it) whose outputs a transformers 5 ``model`` records as ``router_logits``.
+
+    Matched as transformers' ``install_all_output_capturing_hooks`` matches its ``_can_record_outputs`` entries: an
+    ``OutputRecorder``'s class (inside its ``layer_name`` when it gives one), a bare class, or a name suffix.
+    """
+    specs = getattr(model, "_can_record_outputs", None) or {}
+    entries = specs.get(ROUTER_LOGITS, [])
+    entries = entries if isinstance(entries, list) else [entries]
+    found = []
+    for name, module in within.named_modules():
+        if module is within:
+            continue
+        for entry in entries:
+            target = getattr(entry, "target_class", entry)
+            suffix = entry if isinstance(entry, str) else getattr(entry, "class_name", None)
+            layer_name = getattr(entry, "layer_name", None)
+            by_class = isinstance(target, type) and isinstance(module, target)
+            if (by_class or (suffix is not None and name.endswith(suffix))) and (not layer_name or layer_name in name):
+                found.append(module)
+                break
+    return found
 
 
 def refuse_tensor_parallel(model: nn.Module) -> None:

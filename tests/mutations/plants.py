@@ -2032,4 +2032,12 @@ PLANTS: dict[str, Plant] = {
         (("    if not _routed_forward(experts):\n", "    if False:\n"),),
         ("tests/test_expert_parallel.py::test_refusals_name_the_layer_and_what_works",),
     ),
+    "41m1": Plant(
+        "compile=True with a transformers MoE model's router aux loss (output_router_logits=True)",
+        "the routers are traced in the compiled blocks again: transformers' recording hook reads no collector under"
+        " dynamo, router_logits come back empty and load_balancing_loss_func raises IndexError",
+        (("            router.__class__ = eager_call_class(type(router))\n", "            pass\n"),),
+        ("tests/test_moe_compile.py::test_compiled_blocks_train_with_the_router_aux_loss_as_one_eager_process",),
+        expect="IndexError: tuple index out of range",
+    ),
 }
