@@ -67,7 +67,8 @@ def _train_sharded(fabric: Any, kind: str, inputs: torch.Tensor, targets: torch.
     """Train STEPS steps of ACCUMULATE micro-batches; the trained state, first gradients and the all-to-alls that
     one micro-batch's backward ran."""
     model = fabric.setup_module(moe.build(kind, seed=0))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    # foreach (CUDA's default) over parameters of two meshes: the dense (replicate, shard) and the experts' 3-D one
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, foreach=True))
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(inputs, targets), batch_size=MICRO_BATCH))
     losses, norms, gradients = [], [], {}
     for step in range(STEPS):
