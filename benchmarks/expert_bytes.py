@@ -169,7 +169,7 @@ def model_config() -> Any:
 def expert_parameters_per_layer() -> int:
     from transformers import AutoModelForCausalLM
 
-    from fabric_hsdp.moe import expert_modules
+    from fabric_hsdp.models.experts import expert_modules
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config())
@@ -307,7 +307,7 @@ def count_rank(
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeExperts
 
-    from fabric_hsdp.moe import expert_modules
+    from fabric_hsdp.models.experts import expert_modules
     from tests.helpers.moe import loss_of
     from tests.helpers.training import make_fabric
 

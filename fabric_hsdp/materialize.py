@@ -10,7 +10,6 @@ of the modules that owned meta parameters, as Lightning does; transformers model
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from lightning.fabric.utilities import rank_zero_warn
 from torch import nn
 
 from fabric_hsdp.adapters.init import initialize_adapters
+from fabric_hsdp.models.transformers import pretrained_owners
 from fabric_hsdp.versions import compute_local_shape_and_global_offset, module_buffers, module_parameters
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _initialize(module: nn.Module, owners: list[nn.Module]) -> set[str]:
     normal(0, 1) embeddings): the model's own init is used for every submodule it contains, as ``from_config`` does.
     Elsewhere each owner's ``reset_parameters()``, else the root's ``_init_weights(submodule)``.
     """
-    pretrained = _pretrained_owner_of(module)
+    pretrained = pretrained_owners(module)
     hf_init = getattr(module, "_init_weights", None)
     uninitialized = set()
     for sub in owners:
@@ -71,25 +71,6 @@ def _initialize(module: nn.Module, owners: list[nn.Module]) -> set[str]:
             uninitialized.add(type(sub).__name__)
     initialize_adapters(module, owners)  # LoRA adapters: their library's init (peft: B = 0), not the model's
     return uninitialized
-
-
-def _pretrained_owner_of(module: nn.Module) -> dict[int, nn.Module]:
-    """``id(submodule)`` -> the innermost transformers ``PreTrainedModel`` holding it (composite models nest them)."""
-    transformers = sys.modules.get("transformers")  # a model of that class exists only if transformers is imported
-    if transformers is None:
-        return {}
-    owner_of: dict[int, nn.Module] = {}
-
-    def walk(sub: nn.Module, owner: nn.Module | None) -> None:
-        if isinstance(sub, transformers.PreTrainedModel):
-            owner = sub
-        if owner is not None:
-            owner_of[id(sub)] = owner
-        for child in sub.children():
-            walk(child, owner)
-
-    walk(module, None)
-    return owner_of
 
 
 @torch.no_grad()

@@ -101,7 +101,7 @@ def validate_keep_gathered(keep: bool, reshard_after_forward: bool | int | None)
     return False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Levers:
     """What the strategy's arguments ask of the setup: the FSDP units and options, and every lever (read, never
     written, by the setup)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -38,12 +38,14 @@ from fabric_hsdp.gradients import ReplicaSyncControl, clip_grad_norm
 from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for, one_gpu_per_task
 from fabric_hsdp.materialize import parameters_on_meta
 from fabric_hsdp.parallelize import levers_of, set_up_module
-from fabric_hsdp.planning.memory import Training, Workload  # the types of workload= and the planner's view
 from fabric_hsdp.process_group_strategy import ProcessGroupStrategy
 from fabric_hsdp.run_topology import RunTopology
 from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
 from fabric_hsdp.tensor_parallel import TensorParallelPlan, loss_parallel
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology
+
+if TYPE_CHECKING:
+    from fabric_hsdp.planning.memory import Training, Workload  # workload='s type and the planner's view
 
 
 class HybridFSDPStrategy(ProcessGroupStrategy):

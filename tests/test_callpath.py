@@ -119,5 +119,23 @@ def test_the_package_flows_go_one_way_down(callpath, flow):
     assert len(walk.files) > 10  # the walk followed the flow down, not stopped at the strategy
     assert walk.back_calls == []
     assert walk.up_calls == []
-    # the stored row order lives in checkpoint/core: no checkpoint flow goes out to the tensor-parallel package
-    assert [file for file in walk.files if "/tensor_parallel/" in file] == []
+    # what the checkpoint code knows about models lives in models/: a checkpoint flow enters no other sub-package
+    # (tensor_parallel/, adapters/, expert_parallel/, ...), only checkpoint/, models/ and top-level helpers
+    assert _rooms_outside(walk.files, {"checkpoint", "models"}) == []
+
+
+def test_the_setup_flow_does_not_enter_checkpoint(callpath):
+    walk = callpath.Walk(callpath.load_package(ROOT))
+    walk.run("fabric_hsdp.parallelize:set_up_module")
+    assert len(walk.files) > 10  # the walk followed the setup down
+    # LoRA wrappers, fused rows and tied weights are asked of models/, not of the checkpoint code
+    assert [file for file in walk.files if _parts(file)[1] == "checkpoint"] == []
+
+
+def _rooms_outside(files, allowed: set[str]) -> list[str]:
+    """The files in a sub-package of ``fabric_hsdp`` other than ``allowed`` (top-level modules are helpers)."""
+    return [file for file in files if len(_parts(file)) > 2 and _parts(file)[1] not in allowed]
+
+
+def _parts(file: str) -> tuple[str, ...]:
+    return Path(file).relative_to(ROOT).parts  # ("fabric_hsdp", "checkpoint", "core", "keys.py")

@@ -1,5 +1,9 @@
 """The levers' argument checks and activation checkpointing's recompute, in one process (no launch)."""
 
+import dataclasses
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -7,6 +11,7 @@ from fabric_hsdp import HybridFSDPStrategy
 from fabric_hsdp.float8 import converts, float8_unsupported_reason
 from fabric_hsdp.parallelize import apply_activation_checkpointing
 from tests.helpers.counters import OpCounter
+from tests.helpers.launch import REPO_ROOT
 from tests.helpers.training import batch, build, layer_class, logits_of
 
 
@@ -22,6 +27,19 @@ from tests.helpers.training import batch, build, layer_class, logits_of
 def test_invalid_lever_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         HybridFSDPStrategy(**kwargs)
+
+
+def test_the_levers_are_read_only():
+    levers = HybridFSDPStrategy(compile=True)._levers
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        levers.compile = False
+
+
+def test_importing_the_strategy_leaves_the_planner_unimported():
+    """``shard_size="auto"`` and ``planner_training`` import it when asked; a plain run never needs it."""
+    code = "import sys, fabric_hsdp.strategy; print([name for name in sys.modules if 'fabric_hsdp.planning' in name])"
+    printed = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert printed.stdout.strip() == "[]"
 
 
 def test_float8_is_refused_without_a_capable_gpu():

@@ -585,7 +585,7 @@ def test_a_merge_that_fails_ends_every_rank_with_the_error(tmp_path):
 def test_two_tensors_with_one_base_name_are_refused_as_ambiguous():
     from litgpt.lora import LoRALinear
 
-    from fabric_hsdp.checkpoint.core.wrapped_names import load_names
+    from fabric_hsdp.checkpoint.training.load_names import load_names
 
     model = torch.nn.Sequential(LoRALinear(8, 8, r=2, lora_alpha=4))
     model[0].register_parameter("weight", torch.nn.Parameter(torch.zeros(8, 8)))  # "0.weight" and "0.linear.weight"

@@ -17,7 +17,7 @@ from torch import nn
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.commit import atomic_output
-from fabric_hsdp.checkpoint.core.wrapped_names import adapter_keys, user_module
+from fabric_hsdp.models.lora import adapter_keys, user_module
 
 
 def gathered_adapters(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import sys
 
 from torch import nn
 
-from fabric_hsdp.checkpoint.core.wrapped_names import Wrapper, wrappers_of
+from fabric_hsdp.models.lora import Wrapper, wrappers_of
 
 # init_lora_weights values that need no base weights (random draws, constants): the ones possible on the meta device
 _PEFT_RANDOM_INITS = (True, False, "gaussian")

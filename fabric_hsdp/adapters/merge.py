@@ -20,8 +20,8 @@ from torch import nn
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
-from fabric_hsdp.checkpoint.core.wrapped_names import Wrapper, base_names, user_module, wrappers_of
 from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
+from fabric_hsdp.models.lora import Wrapper, base_names, user_module, wrappers_of
 from fabric_hsdp.versions import module_parameters
 
 

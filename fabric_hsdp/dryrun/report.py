@@ -217,7 +217,7 @@ def _experts_held(model: Any, expert_parallel_size: int) -> ExpertsHeld | None:
     """The first mixture-of-experts layer's experts of ``model`` (set up) as this rank holds them; None without."""
     from torch.distributed.tensor import DTensor
 
-    from fabric_hsdp.moe import expert_count, expert_modules
+    from fabric_hsdp.models.experts import expert_count, expert_modules
 
     found = expert_modules(getattr(model, "module", model)) if model is not None else []
     if not found:

@@ -44,10 +44,10 @@ def save_this_rank(
     from lightning.fabric.wrappers import _unwrap_objects
 
     from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
     from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
     from fabric_hsdp.checkpoint.training.sharded import save_meta
     from fabric_hsdp.checkpoint.training.state import CheckpointState
+    from fabric_hsdp.models.fused_rows import held_row_order
 
     state = _unwrap_objects(state)
     if strategy._checkpoints.state_dict_type == "full" or path.suffix == ".safetensors":

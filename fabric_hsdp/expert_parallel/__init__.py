@@ -1,7 +1,7 @@
 """Expert parallelism: each mixture-of-experts layer's experts split over the ``expert`` dim, tokens exchanged.
 
 With ``expert_parallel_size=N`` every ``experts`` module of a transformers 5 model (fused ``gate_up_proj``
-``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``, found by :mod:`fabric_hsdp.moe`) keeps ``E / N`` experts per rank:
+``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``, in :mod:`fabric_hsdp.models.experts`) keeps ``E / N`` experts per rank:
 its parameters become DTensors ``Shard(0)`` on the ``expert`` mesh, and its forward sends each routed token to the
 rank holding its expert and back (:mod:`.dispatch`), running the model's own experts forward (eager or grouped_mm)
 on the local experts in between. Router, auxiliary loss and shared experts are untouched; every rank keeps its own
@@ -28,7 +28,7 @@ from torch import nn
 
 from fabric_hsdp.expert_parallel.dispatch import combine, dispatch
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.moe import expert_count, expert_modules
+from fabric_hsdp.models.experts import expert_count, expert_modules
 from fabric_hsdp.versions import module_parameters
 
 if TYPE_CHECKING:

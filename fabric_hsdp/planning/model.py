@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fabric_hsdp.moe import EXPERTS_NAMES, TOP_K_NAMES, active_parameters
+from fabric_hsdp.models.experts import EXPERTS_NAMES, TOP_K_NAMES, active_parameters
 
 _UNIT = re.compile(r"^(.*?\.\d+)\.")
 # module names (the component before ".weight"/".bias") -> how tensor parallelism splits them

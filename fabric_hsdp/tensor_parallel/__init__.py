@@ -28,15 +28,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fabric_hsdp.checkpoint.core.stored_rows import ATTRIBUTE, FusedRows, fused_rows_of, held_row_order
 from fabric_hsdp.logs import info_on_rank_zero
+from fabric_hsdp.models.fused_rows import ATTRIBUTE, FusedRows, fused_rows_of, held_row_order
+from fabric_hsdp.models.tied import tied_groups
 from fabric_hsdp.tensor_parallel.fused_rows import add_state_dict_hooks
 from fabric_hsdp.tensor_parallel.loss import loss_parallel
 from fabric_hsdp.tensor_parallel.plans import DICT_FORM, ModelPlan, auto_plan
 from fabric_hsdp.tensor_parallel.randomness import seed_split_regions, split_regions, synchronize_random_state
 from fabric_hsdp.tensor_parallel.sequence import with_levers
 from fabric_hsdp.tensor_parallel.styles import FusedColwise, split_dim, to_style
-from fabric_hsdp.tensor_parallel.tied import retie, tied_groups
+from fabric_hsdp.tensor_parallel.tied import retie
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

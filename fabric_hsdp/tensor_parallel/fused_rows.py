@@ -6,7 +6,7 @@ rows are regrouped *in the module* (and in the DTensor's global view) by rank: `
 and an ordinary ``Shard(0)`` gives each rank its heads; attention then runs on the local head counts.
 
 Checkpoints always hold the model's own order (litgpt's ``[Q; K; V]``): the checkpoint code maps rows through
-:class:`~fabric_hsdp.checkpoint.core.stored_rows.FusedRows` shard by shard. Every other state-dict path sees the
+:class:`~fabric_hsdp.models.fused_rows.FusedRows` shard by shard. Every other state-dict path sees the
 model's own order too: state-dict hooks on the fused module (:func:`add_state_dict_hooks`) turn the parameter into a
 replicated DTensor in stored order for ``model.state_dict()``, ``get_model_state_dict(...)`` and torch's DCP, and
 regroup what ``load_state_dict``/``set_model_state_dict`` get. That costs one all-gather of the fused weight per
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, in_held_row_order
+from fabric_hsdp.models.fused_rows import FusedRows, in_held_row_order
 from fabric_hsdp.versions import module_parameters, register_load_state_dict_pre_hook, register_state_dict_hook
 
 

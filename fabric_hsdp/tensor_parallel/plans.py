@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.moe import refuse_tensor_parallel
+from fabric_hsdp.models.experts import refuse_tensor_parallel
 from fabric_hsdp.tensor_parallel.styles import FusedColwise
 
 _logger = logging.getLogger(__name__)

@@ -17,15 +17,7 @@ from typing import Any
 
 from torch import nn
 
-TiedGroup = tuple[str, ...]  # parameter names (as in named_parameters) that hold one parameter, first one first
-
-
-def tied_groups(model: nn.Module) -> list[TiedGroup]:
-    """The groups of parameter names that hold one parameter, by identity (groups of one left out)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [tuple(group) for group in names.values() if len(group) > 1]
+from fabric_hsdp.models.tied import TiedGroup
 
 
 def _layout(param: Any) -> str:

@@ -47,10 +47,10 @@ def staged_sources(num_nodes: int, devices: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fabric_hsdp.checkpoint.core.boxes import StoredBoxes
-    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
     from fabric_hsdp.checkpoint.core.tree import tree_leaves
     from fabric_hsdp.checkpoint.training import staging
     from fabric_hsdp.checkpoint.training.state import CheckpointState
+    from fabric_hsdp.models.fused_rows import held_row_order
     from tests.helpers.training import layer_class, make_fabric, setup_training, train_steps
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("litgpt")}, tensor_parallel_size=2)
@@ -233,10 +233,10 @@ def staged_chunks(num_nodes: int, devices: int, out: str, tensor_parallel_size: 
     import torch.distributed.checkpoint as dcp
 
     from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
-    from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
     from fabric_hsdp.checkpoint.training.staging import Stager
     from fabric_hsdp.checkpoint.training.state import CheckpointState
     from fabric_hsdp.checkpoint.writers.direct_writer import DirectWriter
+    from fabric_hsdp.models.fused_rows import held_row_order
     from tests.helpers.training import expected_state, train_steps
 
     fabric = make_fabric(

@@ -1501,8 +1501,8 @@ PLANTS: dict[str, Plant] = {
         "keep_gathered_while_accumulating leaves reshard_after_forward as given: each backward gathers the layers",
         (
             (
-                "    return False\n\n\n@dataclass\nclass Levers:",
-                "    return reshard_after_forward\n\n\n@dataclass\nclass Levers:",
+                "    return False\n\n\n@dataclass(frozen=True)\nclass Levers:",
+                "    return reshard_after_forward\n\n\n@dataclass(frozen=True)\nclass Levers:",
             ),
         ),
         ("tests/test_gradients.py::test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_process",),

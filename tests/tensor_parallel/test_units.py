@@ -126,8 +126,8 @@ def test_tied_weights_split_differently_are_refused():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fabric_hsdp.models.tied import tied_groups
     from fabric_hsdp.tensor_parallel import apply_tensor_parallel
-    from fabric_hsdp.tensor_parallel.tied import tied_groups
 
     assert tied_groups(build("hf-tied")) == [("model.embed_tokens.weight", "lm_head.weight")]
     assert tied_groups(build("hf")) == []

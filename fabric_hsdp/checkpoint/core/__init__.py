@@ -1,4 +1,5 @@
-"""The core every other layer uses: file I/O, atomic commit, key matching, boxes, lazy tensors and DCP's plumbing.
+"""The core every other checkpoint layer uses: file I/O, atomic commit, key matching, boxes, lazy tensors and DCP's
+plumbing.
 
 * :mod:`fileio`: positioned reads into tensors, ``O_DIRECT`` writes.
 * :mod:`commit`: outputs appear at their path atomically, or not at all; :mod:`watchdog`: a rank stalled in
@@ -10,6 +11,11 @@
 * :mod:`lazy_tensor` and :mod:`tree`: a tensor read only when asked, and walking nested state of them.
 * :mod:`dcp_planners` and :mod:`dcp_errors`: DCP's planners with safe unpickling, and its errors unpacked.
 * :mod:`progress`: progress bars and throughput lines.
+* :mod:`lazy_expression`: a tensor made of stored tensors by torch operations (a converted checkpoint's), read one
+  box at a time.
+
+What the checkpoint code knows about model libraries (LoRA names, fused rows, tied names) is in
+:mod:`fabric_hsdp.models`, below it.
 """
 
 from fabric_hsdp.checkpoint.core.commit import atomic_output

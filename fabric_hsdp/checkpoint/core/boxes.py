@@ -3,7 +3,7 @@ holds, for data that is not one DTensor box.
 
 DCP knows a DTensor's local shard as one box of the global tensor. Two cases need more:
 
-* rows regrouped by tensor parallelism (litgpt's ``qkv``, see :mod:`fabric_hsdp.checkpoint.core.stored_rows`): the
+* rows regrouped by tensor parallelism (litgpt's ``qkv``, see :mod:`fabric_hsdp.models.fused_rows`): the
   local shard is several boxes of the stored tensor, which keeps the model's own row order;
 * split replica reads (:mod:`fabric_hsdp.checkpoint.training.replica_split`): a rank reads only some rows of its shard.
 
@@ -31,7 +31,7 @@ from fabric_hsdp.checkpoint.core.tree import item_at, map_tree, tree_leaves
 from fabric_hsdp.versions import compute_local_shape_and_global_offset
 
 if TYPE_CHECKING:
-    from fabric_hsdp.checkpoint.core.stored_rows import FusedRows
+    from fabric_hsdp.models.fused_rows import FusedRows
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from fabric_hsdp.checkpoint.core import mismatch
 from fabric_hsdp.checkpoint.core.mismatch import Configs
@@ -68,16 +67,6 @@ def make_key_map(spec: KeyMapSpec) -> KeyMap:
     if callable(spec):
         return spec
     raise TypeError(f"key_map must be None, a callable, a dict of prefix rules or rule strings, got {type(spec)}")
-
-
-def tied_names(module: nn.Module) -> dict[str, str]:
-    """Each state-dict key -> the first key naming the same tensor (tied weights, e.g. an embedding and the output).
-
-    ``state_dict()`` lists a shared tensor under every name; checkpoints (``save_pretrained``, safetensors) store it
-    under one.
-    """
-    first: dict[int, str] = {}
-    return {name: first.setdefault(id(tensor), name) for name, tensor in module.state_dict(keep_vars=True).items()}
 
 
 def strip_wrappers(key: str) -> str:
@@ -138,8 +127,8 @@ def match_keys(
 
     After ``key_map``, exact names match first. A model key still unmatched is paired with a checkpoint key when
     both are the same name once wrapper prefixes are stripped and no other key strips to that name on either side.
-    With ``tied`` (:func:`tied_names`), a model key is not missing when another name of the same tensor is matched:
-    loading that one fills both (checkpoints store a tied tensor once).
+    With ``tied`` (:func:`fabric_hsdp.models.tied.tied_names`), a model key is not missing when another name of the
+    same tensor is matched: loading that one fills both (checkpoints store a tied tensor once).
     """
     model_keys = list(model_keys)
     renamed, dropped = apply_key_map(source_keys, key_map)

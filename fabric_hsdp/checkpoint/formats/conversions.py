@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
@@ -36,6 +35,7 @@ from fabric_hsdp.checkpoint.core.lazy_expression import LazyExpression, StoredTe
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.models.transformers import pretrained_model_of
 
 _logger = logging.getLogger(__name__)
 
@@ -87,15 +87,6 @@ def _refuse_operations(converter: Any, target: str) -> None:
                 " the model once with from_pretrained and save it with fabric.save, or save_pretrained it in the"
                 " model's own layout."
             )
-
-
-def pretrained_model_of(module: nn.Module) -> nn.Module | None:
-    """The transformers ``PreTrainedModel`` that ``module`` is (or holds first), or ``None``."""
-    if "transformers" not in sys.modules:  # a model built with transformers has imported it
-        return None
-    from transformers import PreTrainedModel
-
-    return next((sub for sub in module.modules() if isinstance(sub, PreTrainedModel)), None)
 
 
 def _transformers_mapping(model: nn.Module) -> list[Any]:

@@ -22,14 +22,14 @@ from torch.optim import Optimizer
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.commit import check_writable
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
-from fabric_hsdp.checkpoint.core.stored_rows import held_row_order
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
-from fabric_hsdp.checkpoint.core.wrapped_names import user_module
 from fabric_hsdp.checkpoint.training.background import BackgroundSaves
 from fabric_hsdp.checkpoint.training.full_gather import save_full
 from fabric_hsdp.checkpoint.training.raw_load import LoadResult, load_into_model, restore_extras, validate_load_mode
 from fabric_hsdp.checkpoint.training.sharded import find_sharded, load_sharded, save_sharded
 from fabric_hsdp.checkpoint.training.state import CheckpointState, Filter
+from fabric_hsdp.models.fused_rows import held_row_order
+from fabric_hsdp.models.lora import user_module
 
 STATE_DICT_TYPES = ("sharded", "full")
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
-from fabric_hsdp.checkpoint.core.stored_rows import FusedRows
 from fabric_hsdp.checkpoint.training.state import CheckpointState, Filter
 from fabric_hsdp.checkpoint.writers.full_files import write_safetensors, write_torch_file
 from fabric_hsdp.errors import write_error
+from fabric_hsdp.models.fused_rows import FusedRows
 
 
 def save_full(path: Path, state: dict[str, Any], filter: Filter | None = None) -> None:

@@ -29,19 +29,20 @@ from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.boxes import global_box, pieces_of
 from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
-from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys, tied_names
+from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
 from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.mismatch import Configs, checkpoint_config, model_config
 from fabric_hsdp.checkpoint.core.progress import Progress
-from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, fused_rows_of
 from fabric_hsdp.checkpoint.core.tree import read_lazy
-from fabric_hsdp.checkpoint.core.wrapped_names import load_names
 from fabric_hsdp.checkpoint.formats.conversions import convert_for_model
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.checkpoint.training import replica_split
+from fabric_hsdp.checkpoint.training.load_names import load_names
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.logs import warning_on_rank_zero
+from fabric_hsdp.models.fused_rows import FusedRows, fused_rows_of
+from fabric_hsdp.models.tied import tied_names
 
 _logger = logging.getLogger(__name__)
 # Loads smaller than this show no progress.

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fabric_hsdp.checkpoint.core import boxes
-from fabric_hsdp.checkpoint.core.stored_rows import FusedRows
+from fabric_hsdp.models.fused_rows import FusedRows
 from fabric_hsdp.topology import REPLICATE_DIM
 
 if TYPE_CHECKING:

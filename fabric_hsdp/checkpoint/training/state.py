@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_hsdp.checkpoint.core import boxes
-from fabric_hsdp.checkpoint.core.stored_rows import FusedRows, fused_rows_of
+from fabric_hsdp.models.fused_rows import FusedRows, fused_rows_of
 
 Filter = dict[str, Callable[[str, Any], bool]]
 
@@ -56,7 +56,7 @@ class CheckpointState:
         """The model's and each optimizer's state dict (torch's ``get_*_state_dict``, sharded as the model is), by
         key; with ``filter``, only the entries its function for that key keeps (Fabric's ``save(filter=)``).
 
-        Call it within :func:`~fabric_hsdp.checkpoint.core.stored_rows.held_row_order`: regrouped rows stay as they
+        Call it within :func:`~fabric_hsdp.models.fused_rows.held_row_order`: regrouped rows stay as they
         are, and :meth:`stored` maps them.
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fabric_hsdp.checkpoint.core.keys import format_key_errors, match_keys, tied_names
+from fabric_hsdp.checkpoint.core.keys import format_key_errors, match_keys
 from fabric_hsdp.checkpoint.core.lazy_expression import StoredTensor
 from fabric_hsdp.checkpoint.core.mismatch import Configs
 from fabric_hsdp.checkpoint.formats.conversions import ConvertedSource, convert_for_model
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
 from fabric_hsdp.errors import CheckpointError
+from fabric_hsdp.models.tied import tied_names
 
 _logger = logging.getLogger(__name__)
 # transformers' fused experts, as its models hold them in memory (the hub keeps one tensor per expert)
