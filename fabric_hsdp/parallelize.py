@@ -39,7 +39,7 @@ from fabric_hsdp.fsdp import (
 )
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards
-from fabric_hsdp.moe import recorded_routers
+from fabric_hsdp.models.experts import recorded_routers
 from fabric_hsdp.topology import validate_tensor_parallel_size
 from fabric_hsdp.versions import (
     async_collective_tensor,
