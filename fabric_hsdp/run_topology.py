@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from fabric_hsdp.agreement import fail_together
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.topology import Topology, validate_expert_parallel_size, validate_shard_size
+from fabric_hsdp.topology import (
+    Topology,
+    validate_context_parallel_size,
+    validate_expert_parallel_size,
+    validate_shard_size,
+)
 from fabric_hsdp.units import parse_bytes
 from fabric_hsdp.versions import expert_parallel_unsupported
 
@@ -33,12 +38,17 @@ class RunTopology:
         memory_budget: int | str | None,
         workload: Workload | None,
         expert_parallel_size: int | None = None,
+        context_parallel_size: int | None = None,
     ) -> None:
         self.shard_size = shard_size if shard_size == "auto" else validate_shard_size(shard_size)
         self.tensor_parallel_size = tensor_parallel_size
         # None: 1, or with shard_size="auto" the planner's choice
         self.expert_parallel_size = (
             None if expert_parallel_size is None else validate_expert_parallel_size(expert_parallel_size)
+        )
+        # None: 1, or with shard_size="auto" the planner's choice
+        self.context_parallel_size = (
+            None if context_parallel_size is None else validate_context_parallel_size(context_parallel_size)
         )
         if (expert_parallel_size or 1) > 1 and (reason := expert_parallel_unsupported()):
             raise ValueError(
@@ -82,9 +92,8 @@ class RunTopology:
         self._cluster = {"num_nodes": num_nodes, "ranks_per_node": ranks_per_node, "backend": backend}
         self._device = device
         if self.shard_size != "auto":
-            tensor, expert = self.tensor_parallel_size, self.expert_parallel_size or 1
-            topology = Topology.resolve(self.shard_size, num_nodes, ranks_per_node, world_size, tensor, expert)
-            self._use(topology)
+            sizes = (self.tensor_parallel_size, self.expert_parallel_size or 1, self.context_parallel_size or 1)
+            self._use(Topology.resolve(self.shard_size, num_nodes, ranks_per_node, world_size, *sizes))
 
     def choose(self, module: Any, tensor_parallel_plan: Any, training: Training) -> None:
         """``shard_size="auto"``: plan ``module`` with the smallest budget of all ranks and take the recommended
@@ -108,9 +117,10 @@ class RunTopology:
 
     def sampler_kwargs(self, world_size: int, global_rank: int) -> dict[str, int]:
         """``DistributedSampler``'s replicas and rank: FSDP peers and replicas each compute on their own
-        micro-batch, tensor-parallel peers share one (before ``"auto"`` chose, these depend on the TP size only)."""
+        micro-batch, tensor-parallel and context-parallel peers share one (before ``"auto"`` chose, these depend on
+        the sizes given)."""
         if self._topology is None and self.shard_size == "auto":
-            size = self.tensor_parallel_size
+            size = self.tensor_parallel_size * (self.context_parallel_size or 1)
             return {"num_replicas": world_size // size, "rank": global_rank // size}
         topology = self.topology
         return {"num_replicas": topology.data_parallel_size, "rank": topology.data_parallel_rank(global_rank)}

@@ -72,6 +72,9 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             token goes to the rank holding its expert and back (all-to-all). Divides the shard group, the ranks per
             node and the experts per layer. Default ``None``: 1 (none), or with ``shard_size="auto"`` the planner's
             choice.
+        context_parallel_size: Ranks of a node that split each sequence among them (keys and values all-gathered in
+            each attention); they take the same micro-batch, cut with ``strategy.shard_sequence``. Default ``None``:
+            1 (none).
         reshard_after_forward: FSDP2's option (``None``: FSDP2 decides).
         keep_gathered_while_accumulating: Keep every unit's parameters gathered from the first forward of an
             optimizer step to the last backward: inside ``fabric.no_backward_sync(model, enabled=True)`` the units
@@ -111,6 +114,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
         expert_parallel_size: int | None = None,
+        context_parallel_size: int | None = None,
         reshard_after_forward: bool | int | None = None,
         keep_gathered_while_accumulating: bool = False,
         activation_checkpointing: ModulePolicy | None = None,
@@ -151,7 +155,9 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             compile=compile,
             float8=float8,
         )
-        self._layout = RunTopology(shard_size, tensor_parallel_size, memory_budget, workload, expert_parallel_size)
+        self._layout = RunTopology(
+            shard_size, tensor_parallel_size, memory_budget, workload, expert_parallel_size, context_parallel_size
+        )
         self._checkpoints = Checkpointer(
             state_dict_type=state_dict_type,
             async_save=async_save,

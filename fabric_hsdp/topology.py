@@ -13,6 +13,10 @@ each copy is split ``T`` ways by tensor parallelism and ``S = shard_size / T`` w
   for every dense parameter: shard index ``f * N + e`` is the rank's place in its copy as without experts, so dense
   sharding and every checkpoint stay as they are. A layer's experts are split ``N`` ways over ``expert`` and sharded
   by FSDP over ``(replicate, expert_shard)``.
+* Context parallelism of degree ``C`` (``T == 1``, no experts split): the shard dim split the same way into
+  ``(data_shard, context)`` of shape ``(R, shard_size / C, C)``, context innermost, flattened back into ``shard``:
+  parameters are sharded as without it (torchtitan folds its ``cp`` dim into FSDP's), and the ``C`` ranks of a
+  context group split each sequence among them, so they take the same micro-batch.
 
 Parameters, gradients and optimizer state are sharded along ``shard`` (and ``tensor``); only the gradient all-reduce
 of each shard travels along ``replicate``. Every rank of a tensor-parallel group computes on the same micro-batch:
@@ -38,6 +42,8 @@ SHARD_DIM = "shard"
 TENSOR_DIM = "tensor"
 EXPERT_SHARD_DIM = "expert_shard"
 EXPERT_DIM = "expert"
+DATA_SHARD_DIM = "data_shard"
+CONTEXT_DIM = "context"
 # (shard, tensor) as one dim: the ranks that hold one copy of the model (see Topology.build_mesh)
 SHARD_TENSOR_DIM = "shard_tensor"
 
@@ -60,6 +66,11 @@ def validate_shard_size(shard_size: ShardSize) -> ShardSize:
 def validate_tensor_parallel_size(tensor_parallel_size: int) -> int:
     """Check the form of ``tensor_parallel_size`` before any process exists."""
     return _positive_size("tensor_parallel_size", tensor_parallel_size, "tensor", "split each layer")
+
+
+def validate_context_parallel_size(context_parallel_size: int) -> int:
+    """Check the form of ``context_parallel_size`` before any process exists."""
+    return _positive_size("context_parallel_size", context_parallel_size, "context", "split each sequence")
 
 
 def validate_expert_parallel_size(expert_parallel_size: int) -> int:
@@ -87,6 +98,7 @@ class Topology:
             layer by tensor parallelism, the rest by FSDP).
         tensor_parallel_size: Ranks that split each layer (1: no tensor parallelism).
         expert_parallel_size: Ranks that split each layer's experts among them, exchanging tokens (1: none).
+        context_parallel_size: Ranks that split each sequence among them (1: none).
     """
 
     num_nodes: int
@@ -94,6 +106,7 @@ class Topology:
     shard_size: int
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -111,8 +124,8 @@ class Topology:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that compute on different data (``R * S``); tensor-parallel peers share a micro-batch."""
-        return self.world_size // self.tensor_parallel_size
+        """Ranks that compute on different data; tensor-parallel and context-parallel peers share a micro-batch."""
+        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size)
 
     @property
     def expert_shard_size(self) -> int:
@@ -123,6 +136,8 @@ class Topology:
     def mesh_dim_names(self) -> tuple[str, ...]:
         if self.expert_parallel_size > 1:
             return (REPLICATE_DIM, EXPERT_SHARD_DIM, EXPERT_DIM)
+        if self.context_parallel_size > 1:
+            return (REPLICATE_DIM, DATA_SHARD_DIM, CONTEXT_DIM)
         if self.tensor_parallel_size == 1:
             return (REPLICATE_DIM, SHARD_DIM)
         return (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM)
@@ -131,6 +146,8 @@ class Topology:
     def mesh_shape(self) -> tuple[int, ...]:
         if self.expert_parallel_size > 1:
             return (self.replicate_size, self.expert_shard_size, self.expert_parallel_size)
+        if self.context_parallel_size > 1:
+            return (self.replicate_size, self.shard_size // self.context_parallel_size, self.context_parallel_size)
         if self.tensor_parallel_size == 1:
             return (self.replicate_size, self.shard_size)
         return (self.replicate_size, self.fsdp_size, self.tensor_parallel_size)
@@ -141,6 +158,8 @@ class Topology:
         of ``(shard, tensor)`` under tensor parallelism), by name."""
         if self.expert_parallel_size > 1:
             return {SHARD_DIM: (EXPERT_SHARD_DIM, EXPERT_DIM)}
+        if self.context_parallel_size > 1:
+            return {SHARD_DIM: (DATA_SHARD_DIM, CONTEXT_DIM)}
         if self.tensor_parallel_size > 1:
             return {SHARD_TENSOR_DIM: (SHARD_DIM, TENSOR_DIM)}
         return {}
@@ -154,6 +173,7 @@ class Topology:
         world_size: int,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
     ) -> Topology:
         """Turn ``shard_size`` ('node', 'world' or a number) and the tensor-parallel size into a validated topology.
 
@@ -217,13 +237,19 @@ class Topology:
                 " before the experts' exchange. Use one of them: expert_parallel_size for a mixture-of-experts model,"
                 " tensor_parallel_size for a dense one."
             )
-        return cls(num_nodes, ranks_per_node, size, tensor_parallel_size, expert_parallel_size)
+        _check_context_parallel(
+            validate_context_parallel_size(context_parallel_size), ranks_per_node, size, tensor_parallel_size,
+            expert_parallel_size,
+        )  # fmt: skip
+        return cls(num_nodes, ranks_per_node, size, tensor_parallel_size, expert_parallel_size, context_parallel_size)
 
     def coordinates(self, global_rank: int) -> tuple[int, ...]:
         """This rank's coordinates in the mesh, one per dim of :attr:`mesh_dim_names`."""
         replica, position = divmod(global_rank, self.shard_size)
         if self.expert_parallel_size > 1:
             return (replica, *divmod(position, self.expert_parallel_size))
+        if self.context_parallel_size > 1:
+            return (replica, *divmod(position, self.context_parallel_size))
         if self.tensor_parallel_size == 1:
             return (replica, position)
         return (replica, *divmod(position, self.tensor_parallel_size))
@@ -232,7 +258,7 @@ class Topology:
         """The rank groups along mesh dim ``dim`` (``"replicate"``, ``"shard"`` = FSDP, ``"tensor"``, ``"expert"``,
         ``"expert_shard"``), each in rank order: the ranks whose :meth:`coordinates` differ in ``dim`` only (in the
         dims it is made of, for a flattened one). A dim the mesh lacks has every rank in a group of its own."""
-        known = (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM, EXPERT_SHARD_DIM, EXPERT_DIM)
+        known = (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM, EXPERT_SHARD_DIM, EXPERT_DIM, DATA_SHARD_DIM, CONTEXT_DIM)
         if dim not in known:
             raise ValueError(f"mesh dim {dim!r} is not one of {', '.join(map(repr, known))}")
         parts = self.flattened_dims.get(dim, (dim,))
@@ -251,7 +277,7 @@ class Topology:
 
     def data_parallel_rank(self, global_rank: int) -> int:
         """This rank's index among the ``data_parallel_size`` ranks that compute on different data."""
-        return global_rank // self.tensor_parallel_size
+        return global_rank // (self.tensor_parallel_size * self.context_parallel_size)
 
     def build_mesh(self, device_type: str) -> ParallelMesh:
         """The named mesh over all ranks (needs the default process group)."""
@@ -280,6 +306,8 @@ class Topology:
             kind += f" + tensor parallel ({self.tensor_parallel_size})"
         if self.expert_parallel_size > 1:
             kind += f" + expert parallel ({self.expert_parallel_size})"
+        if self.context_parallel_size > 1:
+            kind += f" + context parallel ({self.context_parallel_size})"
         nodes_per_group = max(1, self.shard_size // self.ranks_per_node)
         span = f"{nodes_per_group} node(s)" if self.shard_size >= self.ranks_per_node else "part of one node"
         text = (
@@ -291,6 +319,11 @@ class Topology:
                 f"'{SHARD_DIM}'={self.shard_size} ranks hold one sharded copy of the model ({span}); each layer's"
                 f" experts split '{EXPERT_DIM}'={self.expert_parallel_size} ways (tokens exchanged all-to-all) and"
                 f" '{EXPERT_SHARD_DIM}'={self.expert_shard_size} ways by FSDP"
+            )
+        elif self.context_parallel_size > 1:
+            text += (
+                f"'{SHARD_DIM}'={self.shard_size} ranks hold one sharded copy of the model ({span}); each sequence"
+                f" split '{CONTEXT_DIM}'={self.context_parallel_size} ways (keys and values all-gathered)"
             )
         elif self.tensor_parallel_size == 1:
             text += f"'{SHARD_DIM}'={self.shard_size} ranks hold one sharded copy of the model ({span})"
@@ -337,6 +370,14 @@ class ParallelMesh:
         if self.topology.expert_parallel_size == 1:
             return None
         return self.device_mesh[EXPERT_DIM]
+
+    @property
+    def context(self) -> DeviceMesh | None:
+        """The 1-D mesh of this rank's context-parallel group (the ranks that split one sequence); ``None`` without
+        context parallelism."""
+        if self.topology.context_parallel_size == 1:
+            return None
+        return self.device_mesh[CONTEXT_DIM]
 
     @property
     def expert_fsdp(self) -> DeviceMesh | None:
@@ -408,6 +449,24 @@ def _check_expert_parallel(expert_parallel_size: int, ranks_per_node: int, shard
             f"expert_parallel_size({expert_parallel_size}) does not divide ranks_per_node({ranks_per_node}): the"
             " ranks of an expert-parallel group exchange every MoE layer's tokens all-to-all, forward and backward,"
             f" and must stay inside a node. Choose {fitting} (the experts per layer are checked at setup_module)."
+        )
+
+
+def _check_context_parallel(size: int, ranks_per_node: int, shard_size: int, tensor: int, expert: int) -> None:
+    if size == 1:
+        return
+    if tensor > 1 or expert > 1:
+        other = f"tensor_parallel_size({tensor})" if tensor > 1 else f"expert_parallel_size({expert})"
+        raise ValueError(
+            f"context_parallel_size({size}) with {other} is not supported yet: each splits the shard group its own"
+            " way. Use context parallelism alone with FSDP/HSDP."
+        )
+    fitting = _divisors(math.gcd(ranks_per_node, shard_size))
+    if shard_size % size != 0 or ranks_per_node % size != 0:
+        raise ValueError(
+            f"context_parallel_size({size}) must divide shard_size({shard_size}) and ranks_per_node({ranks_per_node}):"
+            " the ranks that split a sequence gather its keys and values in every layer, inside one node and one"
+            f" copy of the model. Choose {fitting}."
         )
 
 

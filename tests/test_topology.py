@@ -160,3 +160,25 @@ def test_expert_parallel_size_must_divide_the_shard_group_and_stay_in_a_node():
         Topology.resolve("node", 2, 4, 8, tensor_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match=r"expert_parallel_size=0\) is not valid"):
         Topology.resolve("node", 2, 4, 8, expert_parallel_size=0)
+
+
+def test_context_parallel_splits_the_shard_dim_and_its_ranks_share_a_micro_batch():
+    # 2 nodes x 4 ranks, shard_size "node", CP 2: (replicate, data_shard, context) = (2, 2, 2)
+    topology = Topology.resolve("node", 2, 4, 8, context_parallel_size=2)
+    assert topology.mesh_dim_names == ("replicate", "data_shard", "context")
+    assert topology.mesh_shape == (2, 2, 2)
+    assert topology.flattened_dims == {"shard": ("data_shard", "context")}
+    assert topology.rank_groups("context") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topology.rank_groups("shard") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # parameters sharded as without CP
+    assert topology.data_parallel_size == 4
+    assert [topology.data_parallel_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert "context parallel (2)" in topology.describe()
+
+
+def test_context_parallel_size_refusals():
+    with pytest.raises(ValueError, match=r"context_parallel_size\(8\) must divide shard_size\(4\) and ranks_per_node"):
+        Topology.resolve("node", 2, 4, 8, context_parallel_size=8)
+    with pytest.raises(ValueError, match=r"context_parallel_size\(2\) with tensor_parallel_size\(2\) is not supported"):
+        Topology.resolve("node", 2, 4, 8, tensor_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"context_parallel_size\(2\) with expert_parallel_size\(2\) is not supported"):
+        Topology.resolve("node", 2, 4, 8, expert_parallel_size=2, context_parallel_size=2)
