@@ -12,12 +12,16 @@ while it runs, so a timeout still returns what finished, and a part ended at its
    and the summary says so;
 1. ``gpu_check.txt``: ``benchmarks/gpu_check.py`` (the world-1 checks in one process, at most 90 s);
 2. ``throughput.jsonl``, ``throughput.txt``, ``throughput-<variant>.log``: ``benchmarks/gpu_throughput.py`` (what
-   is left but the probe's time: this package on a 1.3B model against torchtitan's recipe, the async-save figures
-   inside the selective run, full AC, float8), each variant's whole log in its own file;
-3. ``probe.json``, ``probe.log``: two ranks on one GPU over gloo with CUDA tensors: which collectives FSDP2 needs work,
+   is left but the experts' and the probe's time: this package on a 1.3B model against torchtitan's recipe, the
+   async-save figures inside the selective run, full AC, float8), each variant's whole log in its own file;
+3. ``experts.jsonl``, ``experts.txt``, ``experts-<variant>.log``: ``benchmarks/gpu_experts.py`` (at most 40 s): the
+   local half of expert parallelism, all that one GPU can run of it (NCCL refuses two ranks on one device): one
+   Qwen3-30B-A3B layer's experts forward and backward with transformers' grouped_mm, all 128 gathered as under FSDP
+   only against the 16 an EP8 rank holds, on the rows each gets at 4096 tokens per rank: tokens/s and peak memory;
+4. ``probe.json``, ``probe.log``: two ranks on one GPU over gloo with CUDA tensors: which collectives FSDP2 needs work,
    whether gloo averages when asked to (``ReduceOp.AVG``), and one FSDP2 step of 2 ranks on cuda:0 against one
    process (at most 45 s; the answers written after each attempt);
-4. ``summary.txt``: every part's line, its time and budget, and what a one-GPU run leaves untested.
+5. ``summary.txt``: every part's line, its time and budget, and what a one-GPU run leaves untested.
 
 ``--core_tests`` adds the core tests on CPU cores 8-15 in the background (``core-tests.log``; not in the first run:
 CI runs them). ``--rehearse`` runs all of it on CPU with tiny sizes (the suite does, so the prepared run is known
@@ -47,7 +51,8 @@ DEADLINE = 400.0  # seconds for the whole run: 6-7 minutes, leaving time on the 
 PREFLIGHT = 30.0  # seconds for the preflight
 NVIDIA_SMI = 10.0  # seconds nvidia-smi may take (a hung driver hangs it)
 GPU_CHECK = 90.0  # seconds for gpu_check's checks
-PROBE = 45.0  # seconds kept for the probe after the throughput
+EXPERTS = 40.0  # seconds kept for the experts' local half after the throughput (two processes' start-up, mostly)
+PROBE = 45.0  # seconds kept for the probe after the experts
 WRAP_UP = 10.0  # seconds kept for the summary (and the throughput driver's last words)
 REHEARSAL_TESTS = ["tests/test_versions.py"]  # the rehearsal's "core tests": the script, not the range
 NOT_TESTED = """\
@@ -55,6 +60,7 @@ NOT TESTED by this run (one GPU, world 1 -- a pass here does not mean "the GPU p
 - NCCL with 2 or more ranks (every NCCL group here has one rank; the probe's two ranks use gloo)
 - HSDP with replicate >= 2 (the replicate all-reduce, replica consistency)
 - tensor parallelism (TP, and its qkv staging W1)
+- expert parallelism between ranks (the token all-to-alls; the experts line runs one rank's local half only)
 - CPU offload with more than one rank (C5)
 - per-GPU contexts of several local ranks on one node (M1)
 - multi-node (rendezvous, NCCL between nodes)"""
@@ -337,6 +343,15 @@ def throughput_command(out: Path, rehearse: bool, budget: float, compile_off: bo
     ]  # fmt: skip
 
 
+def experts_command(out: Path, rehearse: bool, budget: float) -> list[str]:
+    """``gpu_experts.py`` for ``budget`` seconds (its own deadline ends a variant at it)."""
+    tiny = ["--tiny", "--device", "cpu", "--warmup", "1", "--steps", "2"]
+    return [
+        sys.executable, str(BENCHMARKS / "gpu_experts.py"), "--out", str(out / "experts.jsonl"),
+        "--log_dir", str(out), "--budget", f"{budget:.0f}", *(tiny if rehearse else []),
+    ]  # fmt: skip
+
+
 def session(out: Path, rehearse: bool, seconds: float, with_core_tests: bool = False) -> int:
     started = time.monotonic()
     deadline = started + seconds
@@ -361,16 +376,19 @@ def session(out: Path, rehearse: bool, seconds: float, with_core_tests: bool = F
     background = core_tests(out, rehearse) if with_core_tests else None
     device = ["--device", "cpu"] if rehearse else []
     check_env = dict(_env(), GPU_CHECK_VERBOSE="1", **({"GPU_CHECK_CPU_RANKS": "1"} if rehearse else {}))
-    budget = min(GPU_CHECK, left(PROBE + WRAP_UP + 60))  # the throughput needs a minute at least
+    budget = min(GPU_CHECK, left(EXPERTS + PROBE + WRAP_UP + 60))  # the throughput needs a minute at least
     check = [sys.executable, str(BENCHMARKS / "gpu_check.py"), *device, "--budget", f"{budget:.0f}"]
     note(f"gpu_check (budget {budget:.0f} s): {_run(check, out / 'gpu_check.txt', budget + 15, check_env)}")
-    budget = left(PROBE + WRAP_UP)  # what gpu_check left is passed on
+    budget = left(EXPERTS + PROBE + WRAP_UP)  # what gpu_check left is passed on
     throughput = throughput_command(out, rehearse, budget, compile_off=checked["compile_off"] is not None)
     if checked["compile_off"]:
         note(f"throughput: both sides WITHOUT compile: {checked['compile_off']}")
     # its own deadline ends the variants at ``budget``; the margin lets it record the one it ended
     result = _run(throughput, out / "throughput.txt", budget + WRAP_UP - 2) if budget >= 30 else "out of time"
     note(f"throughput (budget {budget:.0f} s): {result}")
+    budget = min(EXPERTS, left(PROBE + WRAP_UP))
+    result = _run(experts_command(out, rehearse, budget), out / "experts.txt", budget + 5) if budget >= 15 else None
+    note(f"experts (budget {budget:.0f} s): {result or 'out of time'}")
     budget = min(PROBE, left(WRAP_UP / 2))
     note(f"probe (budget {budget:.0f} s): {probe(out, rehearse, budget) if budget >= 10 else 'out of time'}")
     if background is not None:
@@ -380,7 +398,7 @@ def session(out: Path, rehearse: bool, seconds: float, with_core_tests: bool = F
         except subprocess.TimeoutExpired:
             end_tree(background)
             note("core tests: stopped at the deadline")
-    for name in ("gpu_check.txt", "throughput.txt", "probe.json"):
+    for name in ("gpu_check.txt", "throughput.txt", "experts.txt", "probe.json"):
         path = out / name
         if path.exists():
             note(f"--- {name}\n{path.read_text().strip()}")

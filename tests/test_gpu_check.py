@@ -66,7 +66,8 @@ def test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu(tmp_path):
     """``benchmarks/gpu_session.py --rehearse``: every part of the GPU machine's prepared run, on CPU with tiny sizes
     (the CUDA-only checks and float8 skip, saying why): the preflight, one deadline whose leftovers pass on, each
     throughput variant's whole log in its own file, this package against torchtitan's recipe compiled alike, the
-    save measured inside the selective run, the probe asking gloo for AVG, and what one GPU leaves untested."""
+    save measured inside the selective run, the experts' local half under FSDP and EP8, the probe asking gloo for
+    AVG, and what one GPU leaves untested."""
     session = _benchmark("gpu_session")
     script = REPO_ROOT / "benchmarks" / "gpu_session.py"
     done = subprocess.run(
@@ -77,13 +78,15 @@ def test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu(tmp_path):
     assert "preflight: ok; compile: ok" in summary, summary
     preflight = json.loads((tmp_path / "preflight.json").read_text())
     assert all(preflight["answers"][name]["ok"] for name in ("lightning", "cuda", "c_compiler", "compile")), preflight
-    for part in ("gpu_check (budget 90 s): exit 0", "throughput (budget", "probe (budget 45 s): exit 0"):
+    parts = ("gpu_check (budget 90 s): exit 0", "throughput (budget", "experts (budget 40 s): exit 0")
+    for part in (*parts, "probe (budget 45 s): exit 0"):
         assert part in summary, summary
-    # one deadline: the throughput gets all the time gpu_check left, less the probe's and the wrap-up's
+    # one deadline: the throughput gets all the time gpu_check left, less the experts', the probe's and the wrap-up's
     started, budget = re.search(
         r"\[ *(\d+) s\] gpu_check .*\n\[ *\d+ s\] throughput \(budget (\d+) s\)", summary
     ).groups()
-    assert abs(int(budget) - (session.DEADLINE - int(started) - session.PROBE - session.WRAP_UP)) <= 2, summary
+    kept = session.EXPERTS + session.PROBE + session.WRAP_UP
+    assert abs(int(budget) - (session.DEADLINE - int(started) - kept)) <= 2, summary
     checks = (tmp_path / "gpu_check.txt").read_text()
     passed = {line.split()[1] for line in checks.splitlines() if line.startswith("PASS")}
     assert {"nccl_init", "bf16_mixed", "meta_init_raw_load", "async_save"} <= passed, checks
@@ -104,11 +107,41 @@ def test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu(tmp_path):
     save = results["save"]  # inside the selective run: its log has the saves
     assert save["load_exact"] is True and save["staged_s"] >= save["issued_s"] > 0 and save["step_after_s"] > 0, save
     assert "save 2: issued in" in (tmp_path / "throughput-selective.log").read_text()
+    experts = {line["variant"]: line for line in map(json.loads, (tmp_path / "experts.jsonl").read_text().splitlines())}
+    assert experts["fsdp"]["experts"] == 16 and experts["ep8"]["experts"] == 2, experts
+    assert "experts, one layer's local half (cpu): ep8 / fsdp tokens/s = " in summary, summary
+    assert "result: {" in (tmp_path / "experts-ep8.log").read_text()
     probe = json.loads((tmp_path / "probe.json").read_text())
     assert probe["reduce_scatter_tensor"] == "ok" and probe["fsdp2_step"].startswith("ok: 2 ranks on cpu:0"), probe
     assert probe["reduce_scatter_tensor_avg"] == "averages (ok)", probe  # gloo asked for AVG directly (2.13 on CPU)
     assert session.NOT_TESTED in summary and "multi-node" in session.NOT_TESTED, summary
+    assert "expert parallelism between ranks" in session.NOT_TESTED
     assert re.search(r"session: done in \d+ s of its 400 s deadline", summary), summary
+
+
+@pytest.mark.timeout(120)
+def test_the_experts_local_half_holds_an_eighth_of_the_experts_on_the_same_rows(tmp_path):
+    """``benchmarks/gpu_experts.py``, what one GPU can run of expert parallelism: the EP8 side holds 1/8 of the
+    layer's experts (1/8 of the gathered weights) and multiplies the same rows as FSDP's side (T k: its own tokens'
+    choices, brought by the exchange), 8 times as many per expert, with torch's grouped GEMM; each variant's own log."""
+    script = REPO_ROOT / "benchmarks" / "gpu_experts.py"
+    command = [sys.executable, str(script), "--out", str(tmp_path / "experts.jsonl"), "--tiny", "--device", "cpu"]
+    done = subprocess.run(command + ["--warmup", "1", "--steps", "2"], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    experts = _benchmark("gpu_experts")
+    results = {line["variant"]: line for line in map(json.loads, (tmp_path / "experts.jsonl").read_text().splitlines())}
+    fsdp, ep = results["fsdp"], results["ep8"]
+    tiny = experts.TINY
+    assert (fsdp["experts"], ep["experts"]) == (tiny["experts"], tiny["experts"] // 8), results
+    assert fsdp["rows"] == ep["rows"] == tiny["tokens"] * tiny["top_k"], results
+    assert ep["rows_per_expert"] == 8 * fsdp["rows_per_expert"], results
+    assert ep["weights_bytes"] * 8 == fsdp["weights_bytes"], results
+    assert fsdp["grouped_mm"] == ep["grouped_mm"] == "torch.nn.functional.grouped_mm", results
+    assert fsdp["tokens_per_s"] > 0 and ep["tokens_per_s"] > 0, results
+    for variant in experts.VARIANTS:
+        log = (tmp_path / f"experts-{variant}.log").read_text()
+        assert f"{variant}: pid" in log and "step 3:" in log and "result: {" in log, log[-2000:]
+    assert "experts, one layer's local half (cpu): ep8 / fsdp tokens/s = " in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(300)

@@ -1442,7 +1442,12 @@ PLANTS: dict[str, Plant] = {
     "43h": Plant(
         "one deadline: the time gpu_check leaves is passed on to the throughput (#43 item 3)",
         "a fixed 230 s for the throughput, as before, whatever gpu_check left",
-        (("    budget = left(PROBE + WRAP_UP)  # what gpu_check left is passed on\n", "    budget = 230.0\n"),),
+        (
+            (
+                "    budget = left(EXPERTS + PROBE + WRAP_UP)  # what gpu_check left is passed on\n",
+                "    budget = 230.0\n",
+            ),
+        ),
         ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
     ),
     "43i": Plant(
@@ -2039,5 +2044,17 @@ PLANTS: dict[str, Plant] = {
         (("            router.__class__ = eager_call_class(type(router))\n", "            pass\n"),),
         ("tests/test_moe_compile.py::test_compiled_blocks_train_with_the_router_aux_loss_as_one_eager_process",),
         expect="IndexError: tuple index out of range",
+    ),
+    "41g1": Plant(
+        "the GPU session's experts line: the local half of expert parallelism on one device (#41)",
+        "the EP8 side builds all of the layer's experts, not its eighth: it measures FSDP twice and calls it EP",
+        (
+            (
+                '    return experts // EXPERT_PARALLEL_SIZE if variant == "ep8" else experts\n',
+                "    return experts\n",
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_the_experts_local_half_holds_an_eighth_of_the_experts_on_the_same_rows",),
+        expect="assert (16, 16) == (16, 2)",
     ),
 }
