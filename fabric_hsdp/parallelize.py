@@ -1,7 +1,7 @@
 """The setup pipeline, one step per lever, in torchtitan's order (``parallelize_llama``): float8 -> tensor parallelism
--> expert parallelism -> activation checkpointing -> compile -> ``fully_shard``; and :func:`set_up_module`, all of
-``fabric.setup_module`` (the pipeline, then the local shards made real, replicas made identical and tensor
-parallelism finished).
+-> expert parallelism -> context parallelism -> activation checkpointing -> compile -> ``fully_shard``; and
+:func:`set_up_module`, all of ``fabric.setup_module`` (the pipeline, then the local shards made real, replicas made
+identical and tensor parallelism finished).
 
 Each step takes the module and the sub-mesh it needs (tensor parallelism the ``tensor`` mesh, FSDP the
 ``(replicate, shard)`` mesh) and changes the model in place; parameter and state-dict names stay what the user's
@@ -223,13 +223,30 @@ def parallelize(
 
         split = apply_expert_parallel(module, mesh.expert)
         experts = expert_units(split, mesh.expert_fsdp, mesh.topology.expert_parallel_size)
+    if mesh.context is not None:
+        from fabric_hsdp.context_parallel import apply_context_parallel
+
+        apply_context_parallel(module, mesh.context)
     if levers.activation_checkpointing is not None:
         apply_activation_checkpointing(module, levers.activation_checkpointing, levers.activation_checkpointing_mode)
     if levers.compile:
         apply_compile(module, units, levers.compile, tensor_parallel=mesh.tensor is not None)
     hold_frozen_in_compute_dtype(module, settings.mp_policy)  # a frozen base (LoRA) costs only its bf16 shards
     apply_fsdp(module, units, mesh.fsdp, settings, experts)
+    if mesh.context is not None:
+        divide_gradients_by_data_parallel_ranks(module, mesh.topology.data_parallel_size)
     return applied
+
+
+def divide_gradients_by_data_parallel_ranks(module: nn.Module, data_parallel_size: int) -> None:
+    """Under context parallelism each rank's loss is its share of its context group's (their sum is the group's
+    mean, :func:`fabric_hsdp.context_parallel.cross_entropy`): every FSDP unit averages the gradients over the
+    data-parallel ranks, not over all the ranks of its mesh (which counts each context group ``C`` times)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(float(data_parallel_size))
 
 
 def finish_collectives_before_units(module: nn.Module, units: list[tuple[str, nn.Module]]) -> list[str]:

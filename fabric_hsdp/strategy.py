@@ -332,6 +332,32 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         """
         self._checkpoints.check_writable(directory)
 
+    def shard_sequence(self, *tensors: Tensor, position_ids: Tensor | None = None) -> tuple[Tensor, ...]:
+        """This rank's part of a batch of sequences under ``context_parallel_size=C``: each ``[batch, T]`` tensor
+        (input ids, labels already shifted) cut to its head-tail chunks of ``T / 2C`` tokens, then their position
+        ids (``position_ids``: a packed batch's own, restarting at 0 at each document; default ``0 .. T - 1``).
+        Without context parallelism the tensors as they are and the position ids. Pass the position ids to the
+        model, and compute the loss with :meth:`cross_entropy`::
+
+            input_ids, labels, position_ids = fabric.strategy.shard_sequence(input_ids, labels)
+            logits = model(input_ids, position_ids=position_ids).logits
+            fabric.backward(fabric.strategy.cross_entropy(logits, labels))
+        """
+        from fabric_hsdp.context_parallel.sequence import shard_sequence
+
+        context = self.parallel_mesh.context
+        rank, size = (0, 1) if context is None else (context.get_local_rank(), context.size())
+        return shard_sequence(tensors, rank, size, position_ids)
+
+    def cross_entropy(self, logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+        """The loss of this rank's tokens as its share of the mean over the labelled tokens of the whole sequences
+        (the context group's); a plain mean without context parallelism. Its gradients are the unsplit run's.
+        To log the step's loss: ``fabric.all_reduce(loss, reduce_op="sum") / strategy.topology.data_parallel_size``."""
+        from fabric_hsdp.context_parallel import cross_entropy
+
+        context = self.parallel_mesh.context
+        return cross_entropy(logits, labels, None if context is None else context.get_group(), ignore_index)
+
     def loss_parallel(self) -> AbstractContextManager:
         """The context to compute the loss and run its backward in, for ``loss_parallel=True``'s split logits.
 

@@ -308,6 +308,28 @@ def all_to_all_single_autograd(
     return all_to_all_single_autograd(tensor, output_splits, input_splits, group)
 
 
+def all_reduce(tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """The functional ``all_reduce`` (no gradient), ``op`` "sum", "avg", "max", ..."""
+    from torch.distributed._functional_collectives import all_reduce
+
+    return all_reduce(tensor, op, group)
+
+
+def all_gather_tensor(tensor: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
+    """The functional ``all_gather_tensor`` (no gradient): every rank's ``tensor`` concatenated along ``gather_dim``,
+    in rank order."""
+    from torch.distributed._functional_collectives import all_gather_tensor
+
+    return all_gather_tensor(tensor, gather_dim, group)
+
+
+def all_gather_tensor_autograd(tensor: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
+    """The differentiable functional ``all_gather_tensor``: backward reduce-scatters the gradient (a sum)."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    return all_gather_tensor_autograd(tensor, gather_dim, group)
+
+
 def c10d_functional_ops() -> Any:
     """``torch.ops._c10d_functional``: the functional collectives' ops."""
     return torch.ops._c10d_functional

@@ -1,0 +1,137 @@
+"""Context parallelism (#42): each sequence split over the context dim, keys and values all-gathered in attention.
+
+A tiny transformers Llama and Qwen3-MoE on 2 simulated nodes x 2 ranks with ``context_parallel_size=2``, sequences
+packed with two documents each (position ids restarting inside the sequence) and unlabelled tokens (-100): three
+AdamW steps against one process running the whole sequences through transformers' own packed-sequence masking, by
+the suite's noise rule, the first step's gradients too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers import moe
+from tests.helpers.launch import launch
+from tests.helpers.parity import Trained, beyond_noise, distance, gradient_distance, sampler_rows
+from tests.helpers.training import SEQ, batch, build, full_state, make_fabric
+
+LEARNING_RATE = 1e-2
+MICRO_BATCH = 2
+STEPS = 3
+FIRST_DOCUMENT = 6  # each sequence of 16 tokens: a document of 6, then one of 10
+GRADIENT_NOISE_FACTOR, MIN_GRADIENT = 10, 1e-6
+
+
+def _model(kind: str) -> torch.nn.Module:
+    return moe.build(kind, seed=0) if kind == "qwen3_moe" else build(kind, seed=0)
+
+
+def packed(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs, shifted labels (the first 3 of each document unlabelled, and no label across the documents' border)
+    and position ids restarting at the second document."""
+    inputs, labels = batch(rows)
+    labels = labels.clone()
+    positions = torch.cat([torch.arange(FIRST_DOCUMENT), torch.arange(SEQ - FIRST_DOCUMENT)]).expand(rows, SEQ)
+    labels[:, :3] = -100
+    labels[:, FIRST_DOCUMENT - 1 : FIRST_DOCUMENT + 3] = -100
+    return inputs, labels, positions.clone()
+
+
+def _mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def _one_process(kind: str, data: tuple, micro_batches: list) -> tuple[Trained, dict]:
+    """The whole sequences through the model's own attention (sdpa: transformers builds the packed-document mask
+    from the position ids), each data-parallel rank's micro-batch its own mean, averaged."""
+    inputs, labels, positions = data
+    model = _model(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses, gradients = [], {}
+    for step in range(STEPS):
+        step_loss = 0.0
+        for rows in micro_batches:
+            # no cache: transformers builds the packed-document mask only without one (masking_utils)
+            logits = model(inputs[rows], position_ids=positions[rows], use_cache=False).logits
+            loss = _mean_loss(logits, labels[rows]) / len(micro_batches)
+            loss.backward()
+            step_loss += loss.item()
+        if step == 0:
+            gradients = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return Trained(losses, [], {name: t.detach().clone() for name, t in model.state_dict().items()}), gradients
+
+
+def _train(fabric: Any, kind: str, data: tuple) -> tuple[Trained, dict]:
+    from torch.distributed.tensor import DTensor
+
+    model = fabric.setup_module(_model(kind))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(*data), batch_size=MICRO_BATCH))
+    strategy = fabric.strategy
+    losses, gradients = [], {}
+    for step in range(STEPS):
+        (inputs, labels, positions), *rest = list(loader)
+        assert not rest
+        inputs, labels, positions = strategy.shard_sequence(inputs, labels, position_ids=positions)
+        loss = strategy.cross_entropy(model(inputs, position_ids=positions).logits, labels)
+        fabric.backward(loss)
+        if step == 0:
+            gradients = {
+                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                for name, p in model.module.named_parameters()
+            }
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="sum").item() / strategy.topology.data_parallel_size)
+    return Trained(losses, [], full_state(model)), gradients
+
+
+VARIANTS = {
+    "cp2": {"context_parallel_size": 2},
+    "cp2 selective": {"context_parallel_size": 2, "activation_checkpointing_mode": "selective"},
+    "cp1": {"context_parallel_size": 1},
+}
+
+
+def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
+    layers = {type(_model(kind).model.layers[0])}
+    fabrics = {
+        label: make_fabric(num_nodes, devices, activation_checkpointing=layers, **options)
+        for label, options in VARIANTS.items()
+    }
+    replicas = fabrics["cp2"].strategy.distributed_sampler_kwargs["num_replicas"]
+    data = packed(MICRO_BATCH * replicas)
+    micro_batches = [sampler_rows(len(data[0]), replicas, rank) for rank in range(replicas)]
+    reference, exact = _one_process(kind, data, micro_batches)
+    # the floor: the same mathematics summed otherwise, every row in one batch (each row holds as many labels)
+    whole, whole_gradients = _one_process(kind, data, [sum(micro_batches, [])])
+    facts: dict[str, Any] = {
+        "floor": distance(whole, reference),
+        "gradient_floor": gradient_distance(whole_gradients, exact)["value"],
+        "replicas": replicas,
+    }
+    for label, fabric in fabrics.items():
+        trained, gradients = _train(fabric, kind, data)
+        facts[label] = {"distance": distance(trained, reference), "gradients": gradient_distance(gradients, exact)}
+    return facts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["hf", "qwen3_moe"])
+def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind):
+    launched = launch("tests.test_context_parallel:train", {"kind": kind}, timeout=240)
+    for rank, facts in enumerate(launched.check().values):
+        assert facts["replicas"] == 2  # 4 ranks, context groups of 2: two data-parallel ranks
+        tolerance = max(GRADIENT_NOISE_FACTOR * facts["gradient_floor"], MIN_GRADIENT)
+        for label in VARIANTS:
+            run = facts[label]
+            assert not beyond_noise(run["distance"], facts["floor"]), (rank, label, run, facts["floor"])
+            assert run["gradients"]["value"] <= tolerance, (rank, label, run["gradients"], tolerance)
