@@ -135,3 +135,47 @@ def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind):
             run = facts[label]
             assert not beyond_noise(run["distance"], facts["floor"]), (rank, label, run, facts["floor"])
             assert run["gradients"]["value"] <= tolerance, (rank, label, run["gradients"], tolerance)
+
+
+def test_shard_sequence_keeps_chunks_i_and_2c_minus_1_minus_i_and_refuses_an_uneven_length():
+    from fabric_hsdp.context_parallel.sequence import shard_sequence
+
+    tokens = torch.arange(16).view(1, 16)
+    held = [shard_sequence((tokens,), rank, 2) for rank in range(2)]
+    # 4 chunks of 4: rank 0 the first and the last, rank 1 the two middle ones; position ids the same tokens'
+    assert [pair[0].tolist() for pair in held] == [[[0, 1, 2, 3, 12, 13, 14, 15]], [[4, 5, 6, 7, 8, 9, 10, 11]]]
+    assert [pair[1].tolist() for pair in held] == [pair[0].tolist() for pair in held]
+    with pytest.raises(ValueError, match=r"18 tokens does not split into 2 x context_parallel_size\(2\) = 4 equal"):
+        shard_sequence((torch.zeros(1, 18),), 0, 2)
+
+
+def misuse(num_nodes: int, devices: int) -> dict[str, str]:
+    """What a rank says to each misuse under context_parallel_size=2."""
+    fabric = make_fabric(num_nodes, devices, context_parallel_size=2)
+    said = {}
+    try:
+        fabric.setup_module(build("litgpt"))
+    except ValueError as error:
+        said["litgpt"] = str(error)
+    model = fabric.setup_module(build("hf"))
+    inputs, labels, positions = fabric.strategy.shard_sequence(*batch(2))
+    for label, kwargs in {
+        "no position ids": {},
+        "padding mask": {
+            "position_ids": positions,
+            "attention_mask": torch.ones_like(inputs).index_fill(1, torch.tensor([0]), 0),
+        },
+    }.items():
+        try:
+            model(inputs, **kwargs)
+        except ValueError as error:
+            said[label] = str(error)
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_misuse_is_refused_saying_what_to_do():
+    for said in launch("tests.test_context_parallel:misuse", timeout=90).check().values:
+        assert "litgpt" in said and "GPT is not a transformers model" in said["litgpt"], said
+        assert "pass the model the position ids of this rank's tokens" in said["no position ids"], said
+        assert "mark padding with labels -100, instead of attention_mask" in said["padding mask"], said

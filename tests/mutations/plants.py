@@ -2057,4 +2057,44 @@ PLANTS: dict[str, Plant] = {
         ("tests/test_gpu_check.py::test_the_experts_local_half_holds_an_eighth_of_the_experts_on_the_same_rows",),
         expect="assert (16, 16) == (16, 2)",
     ),
+    "42a": Plant(
+        "context parallelism: queries see their own document only (#42)",
+        "the gathered keys' mask is causal over the whole packed sequence: documents see each other",
+        (
+            (
+                "    return (mask[None] & same_document).unsqueeze(1)\n",
+                "    return mask[None].expand(len(documents), -1, -1).unsqueeze(1)\n",
+            ),
+        ),
+        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process",),
+    ),
+    "42b": Plant(
+        "context parallelism: gradients averaged over the data-parallel ranks (#42)",
+        "FSDP averages over all ranks of its mesh, each context group counted C times: gradients C times too small",
+        (("    if mesh.context is not None:\n        divide_gradients", "    if False:\n        divide_gradients"),),
+        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process",),
+    ),
+    "42c": Plant(
+        "context parallelism: the batch cut as attention reads it (#42)",
+        "shard_sequence keeps contiguous chunks while attention places each rank's tokens head-tail",
+        (
+            (
+                "    index = token_index(length // size, rank, size, tensors[0].device)\n",
+                "    index = torch.arange(rank * length // size, (rank + 1) * length // size)\n",
+            ),
+        ),
+        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process",),
+    ),
+    "42d": Plant(
+        "context parallelism: the loss over the whole sequences' labels (#42)",
+        "each rank divides its tokens' loss by its own label count, not the context group's",
+        (('        count = all_reduce(count, "sum", group)\n', "        count = count\n"),),
+        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process",),
+    ),
+    "42e": Plant(
+        "context parallelism: a forward without position ids refused (#42)",
+        "the model numbers each rank's chunk 0 .. T/C - 1 when the position ids are not passed",
+        (('    if kwargs.get("position_ids") is None:\n', "    if False:\n"),),
+        ("tests/test_context_parallel.py::test_misuse_is_refused_saying_what_to_do",),
+    ),
 }
