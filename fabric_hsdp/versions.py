@@ -308,6 +308,18 @@ def all_to_all_single_autograd(
     return all_to_all_single_autograd(tensor, output_splits, input_splits, group)
 
 
+def causal_lower_right(queries: int, keys: int) -> Any:
+    """torch's bottom-right causal attention bias (``torch.nn.attention.bias``), built outside any dispatch mode:
+    under selective activation checkpointing's mode making the ``CausalBias`` subclass fails (torch 2.13: "Creating
+    a new Tensor subclass CausalBias but the raw Tensor object is already associated to a python object of type
+    Tensor"). It holds no data: the attention under the mode is unchanged."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
 def all_reduce(tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
     """The functional ``all_reduce`` (no gradient), ``op`` "sum", "avg", "max", ..."""
     from torch.distributed._functional_collectives import all_reduce

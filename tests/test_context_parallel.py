@@ -30,13 +30,15 @@ def _model(kind: str) -> torch.nn.Module:
     return moe.build(kind, seed=0) if kind == "qwen3_moe" else build(kind, seed=0)
 
 
-def packed(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs, shifted labels (the first 3 of each document unlabelled, and no label across the documents' border)
-    and position ids restarting at the second document."""
+def packed(rows: int, documents: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs, shifted labels (the first 3 unlabelled) and position ids; with 2 documents the positions restart at
+    the second, whose first 3 tokens are unlabelled too (and the label across the border)."""
     inputs, labels = batch(rows)
     labels = labels.clone()
-    positions = torch.cat([torch.arange(FIRST_DOCUMENT), torch.arange(SEQ - FIRST_DOCUMENT)]).expand(rows, SEQ)
     labels[:, :3] = -100
+    if documents == 1:
+        return inputs, labels, torch.arange(SEQ).expand(rows, SEQ).clone()
+    positions = torch.cat([torch.arange(FIRST_DOCUMENT), torch.arange(SEQ - FIRST_DOCUMENT)]).expand(rows, SEQ)
     labels[:, FIRST_DOCUMENT - 1 : FIRST_DOCUMENT + 3] = -100
     return inputs, labels, positions.clone()
 
@@ -100,14 +102,14 @@ VARIANTS = {
 }
 
 
-def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
+def train(num_nodes: int, devices: int, kind: str, documents: int) -> dict[str, Any]:
     layers = {type(_model(kind).model.layers[0])}
     fabrics = {
         label: make_fabric(num_nodes, devices, activation_checkpointing=layers, **options)
         for label, options in VARIANTS.items()
     }
     replicas = fabrics["cp2"].strategy.distributed_sampler_kwargs["num_replicas"]
-    data = packed(MICRO_BATCH * replicas)
+    data = packed(MICRO_BATCH * replicas, documents)
     micro_batches = [sampler_rows(len(data[0]), replicas, rank) for rank in range(replicas)]
     reference, exact = _one_process(kind, data, micro_batches)
     # the floor: the same mathematics summed otherwise, every row in one batch (each row holds as many labels)
@@ -125,9 +127,10 @@ def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["hf", "qwen3_moe"])
-def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind):
-    launched = launch("tests.test_context_parallel:train", {"kind": kind}, timeout=240)
+@pytest.mark.parametrize(("kind", "documents"), [("hf", 2), ("hf", 1), ("qwen3_moe", 2)])
+def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind, documents):
+    # 2 documents: the mask from global indices and documents; 1: each chunk causal bottom-right, no mask made
+    launched = launch("tests.test_context_parallel:train", {"kind": kind, "documents": documents}, timeout=240)
     for rank, facts in enumerate(launched.check().values):
         assert facts["replicas"] == 2  # 4 ranks, context groups of 2: two data-parallel ranks
         tolerance = max(GRADIENT_NOISE_FACTOR * facts["gradient_floor"], MIN_GRADIENT)
@@ -179,3 +182,41 @@ def test_misuse_is_refused_saying_what_to_do():
         assert "litgpt" in said and "GPT is not a transformers model" in said["litgpt"], said
         assert "pass the model the position ids of this rank's tokens" in said["no position ids"], said
         assert "mark padding with labels -100, instead of attention_mask" in said["padding mask"], said
+
+
+LONG = 256  # tokens per sequence in the memory test: activations, not weights, dominate what a step keeps
+
+
+def _saved_bytes(model: torch.nn.Module, strategy: Any, rows: int) -> int:
+    """Bytes the forward keeps for backward (each storage once), for ``rows`` sequences of LONG tokens."""
+    inputs = torch.arange(rows * LONG).remainder(256).view(rows, LONG)
+    inputs, labels, positions = strategy.shard_sequence(inputs, inputs)
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = strategy.cross_entropy(model(inputs, position_ids=positions).logits, labels)
+    loss.backward()
+    return sum(storages.values())
+
+
+def saved_activations(num_nodes: int, devices: int) -> dict[str, int]:
+    """Per sequence: what a forward of 2 sequences keeps beyond one of 1 (the weights it keeps are the same)."""
+    saved = {}
+    for size in (1, 2):
+        fabric = make_fabric(num_nodes, devices, shard_size="world", context_parallel_size=size)
+        model = fabric.setup_module(build("hf"))
+        saved[f"cp{size}"] = _saved_bytes(model, fabric.strategy, 2) - _saved_bytes(model, fabric.strategy, 1)
+    return saved
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_keeps_at_most_0_6_of_the_activations_at_context_parallel_2():
+    """The same sequence of 256 tokens on 2 ranks of one node: at CP 1 each rank computes all of it, at CP 2 half
+    (plus the whole sequence's keys and values, which attention keeps for backward)."""
+    for saved in launch("tests.test_context_parallel:saved_activations", num_nodes=1, timeout=90).check().values:
+        assert saved["cp2"] <= 0.6 * saved["cp1"], saved

@@ -2097,4 +2097,10 @@ PLANTS: dict[str, Plant] = {
         (('    if kwargs.get("position_ids") is None:\n', "    if False:\n"),),
         ("tests/test_context_parallel.py::test_misuse_is_refused_saying_what_to_do",),
     ),
+    "42f": Plant(
+        "context parallelism without documents: each chunk attends to the keys up to its own end (#42)",
+        "each chunk's keys stop one short of its end (its last token sees neither itself nor the one before)",
+        (("        end = start + chunk\n", "        end = start + chunk - 1\n"),),
+        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process",),
+    ),
 }
