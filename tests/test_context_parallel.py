@@ -220,3 +220,36 @@ def test_a_rank_keeps_at_most_0_6_of_the_activations_at_context_parallel_2():
     (plus the whole sequence's keys and values, which attention keeps for backward)."""
     for saved in launch("tests.test_context_parallel:saved_activations", num_nodes=1, timeout=90).check().values:
         assert saved["cp2"] <= 0.6 * saved["cp1"], saved
+
+
+def save_and_resume(num_nodes: int, devices: int, path: str) -> dict[str, Any]:
+    """One step at context_parallel_size=2, saved; resumed into context_parallel_size=1 (model and AdamW)."""
+    states = []
+    for size in (2, 1):
+        fabric = make_fabric(num_nodes, devices, context_parallel_size=size)
+        model = fabric.setup_module(build("hf", seed=size))  # the resumed model starts elsewhere
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+        if size == 2:
+            inputs, labels, positions = fabric.strategy.shard_sequence(*packed(2, documents=1)[:2])
+            fabric.backward(fabric.strategy.cross_entropy(model(inputs, position_ids=positions).logits, labels))
+            optimizer.step()
+            fabric.save(path, {"model": model, "optimizer": optimizer})
+        else:
+            fabric.load(path, {"model": model, "optimizer": optimizer})
+        moments = {
+            name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in optimizer.state_dict()["state"][0].items()
+        }
+        states.append((full_state(model), moments))
+    (saved, saved_moments), (resumed, resumed_moments) = states
+    return {
+        "model": [name for name in saved if not torch.equal(saved[name], resumed[name])],
+        "moments": [name for name in saved_moments if not torch.equal(saved_moments[name], resumed_moments[name])],
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_save_at_context_parallel_2_resumes_at_1_exactly(tmp_path):
+    args = {"path": str(tmp_path / "checkpoint")}
+    for differ in launch("tests.test_context_parallel:save_and_resume", args, timeout=90).check().values:
+        assert differ == {"model": [], "moments": []}, differ
