@@ -1851,8 +1851,8 @@ PLANTS: dict[str, Plant] = {
         "auto_topology resolves the chosen shard_size without its expert_parallel_size",
         (
             (
-                "    sizes = (tensor_parallel_size, chosen.expert_parallel_size)\n",
-                "    sizes = (tensor_parallel_size, 1)\n",
+                "    sizes = (tensor_parallel_size, chosen.expert_parallel_size, chosen.context_parallel_size)\n",
+                "    sizes = (tensor_parallel_size, 1, chosen.context_parallel_size)\n",
             ),
         ),
         ("tests/planning/test_expert_parallel_plan.py::test_shard_size_auto_returns_the_chosen_expert_parallel_size",),
@@ -1862,8 +1862,9 @@ PLANTS: dict[str, Plant] = {
         "the token all-to-alls counted as overlapped with compute, like FSDP's gathers",
         (
             (
-                "    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0) + intra_by_dim.get(EXPERT_DIM, 0.0)\n",
-                "    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0)\n",
+                "    critical_bytes = sum(intra_by_dim.get(dim, 0.0) for dim in (TENSOR_DIM, EXPERT_DIM, CONTEXT_DIM))"
+                "\n",
+                "    critical_bytes = sum(intra_by_dim.get(dim, 0.0) for dim in (TENSOR_DIM, CONTEXT_DIM))\n",
             ),
         ),
         ("tests/planning/test_expert_parallel_plan.py::test_the_plan_proposes_ep8_for_qwen3_30b_on_2x8",),
