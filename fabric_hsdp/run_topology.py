@@ -110,6 +110,7 @@ class RunTopology:
                 tensor_parallel_plan=tensor_parallel_plan,
                 training=training,
                 expert_parallel_size=self.expert_parallel_size,
+                context_parallel_size=self.context_parallel_size,
                 **self._cluster,
             )
         info_on_rank_zero(_logger, "%s", describe_choice(plan))

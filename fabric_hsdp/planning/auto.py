@@ -68,15 +68,17 @@ def auto_topology(
     training: Training,
     backend: str | None,
     expert_parallel_size: int | None = None,
+    context_parallel_size: int | None = None,
 ) -> tuple[Topology, Plan]:
     """Plan ``module`` with ``budget`` bytes per device; return the topology of the recommended layout and the plan.
 
     The tensor-parallel size is the strategy's; the split dims come from its ``tensor_parallel_plan``. The plan
-    varies ``shard_size`` and, for a mixture-of-experts model, the expert-parallel size (``expert_parallel_size``:
-    only that one). ``training`` is the strategy's (:func:`planner_training`): the levers (AC mode,
-    sequence and loss parallel) change the activation estimate as ``fabric-hsdp plan``'s options do. The ranking is
-    the plan's, at the strategy's micro-batch and checkpointing (``adapt=False``: the script's batch is what it is).
-    No collectives.
+    varies ``shard_size``, for a mixture-of-experts model the expert-parallel size (``expert_parallel_size``:
+    only that one), and the context-parallel size (``context_parallel_size``: only that one; a size the planner
+    chooses changes the data-parallel ranks to ``world / C``). ``training`` is the strategy's
+    (:func:`planner_training`): the levers (AC mode, sequence and loss parallel) change the activation estimate as
+    ``fabric-hsdp plan``'s options do. The ranking is the plan's, at the strategy's micro-batch and checkpointing
+    (``adapt=False``: the script's batch is what it is). No collectives.
 
     Raises:
         NoLayoutFitsError: Nothing fits the budget; the message gives the smallest total and what would fit.
@@ -85,14 +87,15 @@ def auto_topology(
     model = model_shape_of_module(module, tensor_parallel_plan=tensor_parallel_plan)
     # the script's micro-batch and checkpointing are fixed: the rows differ only in shard_size (adapt=False)
     experts = None if expert_parallel_size is None else [expert_parallel_size]
+    contexts = None if context_parallel_size is None else [context_parallel_size]
     plan = make_plan(
         model, cluster, training, DEFAULT_SAFETY_MARGIN, [tensor_parallel_size], adapt=False,
-        expert_parallel_sizes=experts,
+        expert_parallel_sizes=experts, context_parallel_sizes=contexts,
     )  # fmt: skip
     chosen = recommended_layout(plan, tensor_parallel_size).layout
     # the plan only holds layouts Topology.resolve accepted; resolving again keeps one source of truth
     world = num_nodes * ranks_per_node
-    sizes = (tensor_parallel_size, chosen.expert_parallel_size)
+    sizes = (tensor_parallel_size, chosen.expert_parallel_size, chosen.context_parallel_size)
     return Topology.resolve(chosen.shard_size, num_nodes, ranks_per_node, world, *sizes), plan
 
 

@@ -102,6 +102,12 @@ def plan_parser() -> Any:
         help="only this expert-parallel size (default: every size the model's experts allow; 1: none)",
     )
     parser.add_argument(
+        "--context_parallel_size",
+        type=int | None,
+        default=None,
+        help="only this context-parallel size (default: every size the topology allows; 1: none)",
+    )
+    parser.add_argument(
         "--safety_margin", type=float, default=DEFAULT_SAFETY_MARGIN, help="fraction of memory kept free"
     )
     parser.add_argument("--backend", type=str, default="nccl", choices=["nccl", "gloo"], help="collectives' library")
@@ -155,7 +161,10 @@ def run_plan(args: Any) -> None:
         raise ValueError("--lora_targets adapts the layers of a LoRA plan: pass --lora_r R with it.")
     weigh = (args.activation_checkpointing is None, args.keep_gathered_while_accumulating is None)
     experts = None if args.expert_parallel_size is None else [args.expert_parallel_size]
-    plan = make_plan(model, cluster, training, args.safety_margin, sizes, args.global_batch_size, True, *weigh, experts)
+    contexts = None if args.context_parallel_size is None else [args.context_parallel_size]
+    plan = make_plan(
+        model, cluster, training, args.safety_margin, sizes, args.global_batch_size, True, *weigh, experts, contexts
+    )
     error = no_fit_error(plan, args.tensor_parallel_size) if plan.recommended is None else None
     verify = args.verify and error is None  # the dry run's own module builds and runs it (fabric_hsdp/dryrun/verify.py)
     if args.json:

@@ -37,7 +37,9 @@ The levers change that estimate:
   attention, gate and up outputs, the two row-wise outputs), plus one layer's recompute;
 * sequence parallelism (with TP): the activations outside the tensor-parallel region (the ``2h`` term, the norms'
   fp32 copies, a checkpointed layer's input, the row-wise outputs) are split by ``T`` too;
-* loss parallel (with TP): the logits and the loss stay vocabulary-sharded, ``V (b_a + 8) / T``.
+* loss parallel (with TP): the logits and the loss stay vocabulary-sharded, ``V (b_a + 8) / T``;
+* context parallelism of degree ``C``: all of the above for the rank's ``s / C`` tokens of each sequence, plus the
+  full-length keys and values its attentions all-gathered (:mod:`~fabric_hsdp.planning.context`).
 
 These lever estimates follow from the formulas above; benchmarks/levers.py measures the levers themselves.
 """
@@ -48,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fabric_hsdp.planning.context import gathered_key_value_bytes, local_training
 from fabric_hsdp.planning.experts import is_fused_expert, received_tokens_bytes
 from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims
 from fabric_hsdp.precision import PRECISION_DTYPES, PrecisionDtypes, canonical_precision
@@ -299,10 +302,16 @@ def _unit_size(parameters: list[ParameterShape], numels: list[tuple[int, int]]) 
 
 
 def memory_per_device(
-    model: ModelShape, training: Training, fsdp_size: int, tensor_parallel_size: int, expert_parallel_size: int = 1
+    model: ModelShape,
+    training: Training,
+    fsdp_size: int,
+    tensor_parallel_size: int,
+    expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> Memory:
-    """Bytes per device for a layout with FSDP degree ``fsdp_size``, TP degree ``tensor_parallel_size`` and EP
-    degree ``expert_parallel_size``."""
+    """Bytes per device for a layout with FSDP degree ``fsdp_size``, TP degree ``tensor_parallel_size``, EP
+    degree ``expert_parallel_size`` and CP degree ``context_parallel_size`` (which changes only the activations:
+    the parameters are sharded over the whole shard group as without it)."""
     sizes = unit_sizes(model, fsdp_size, tensor_parallel_size, expert_parallel_size)
     sharded = sum(size.local for size in sizes.values())
     trainable = sum(size.trainable_local for size in sizes.values())
@@ -334,7 +343,7 @@ def memory_per_device(
         gradients=0 if offloaded else state,
         optimizer=0 if offloaded else optimizer_bytes,
         gathered=gathered_bytes,
-        activations=activation_bytes(model, training, tensor_parallel_size),
+        activations=activation_bytes(model, training, tensor_parallel_size, context_parallel_size),
         end_of_backward=end_of_backward,
         step_temporaries=state if optimizer == "adamw" and not offloaded else 0,
         host=parameters + state + optimizer_bytes if offloaded else 0,
@@ -342,8 +351,18 @@ def memory_per_device(
     )
 
 
-def activation_bytes(model: ModelShape, training: Training, tensor_parallel_size: int = 1) -> int:
-    """Estimated peak activation bytes per device for one micro-batch (see the module docstring)."""
+def activation_bytes(
+    model: ModelShape, training: Training, tensor_parallel_size: int = 1, context_parallel_size: int = 1
+) -> int:
+    """Estimated peak activation bytes per device for one micro-batch (see the module docstring); with context
+    parallelism those of the rank's ``seq_len / C`` tokens plus the keys and values its attentions gathered
+    (:mod:`~fabric_hsdp.planning.context`)."""
+    gathered = gathered_key_value_bytes(model, training, context_parallel_size)
+    local = local_training(training, context_parallel_size)
+    return gathered + _local_activation_bytes(model, local, tensor_parallel_size)
+
+
+def _local_activation_bytes(model: ModelShape, training: Training, tensor_parallel_size: int) -> int:
     dims, tokens, element = model.dims, training.workload.tokens, training.compute_bytes
     tensor = tensor_parallel_size
     outside = tensor if training.sequence_parallel else 1  # the region outside TP, sequence-sharded with SP

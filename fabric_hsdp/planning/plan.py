@@ -23,6 +23,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from fabric_hsdp.errors import NoLayoutFitsError
+from fabric_hsdp.planning.context import context_parallel_candidates, context_parallel_problem
 from fabric_hsdp.planning.experts import expert_parallel_candidates, expert_parallel_problem
 from fabric_hsdp.planning.layout import candidate_layouts, layout_summary
 from fabric_hsdp.planning.memory import Memory, Training, memory_per_device
@@ -43,6 +44,10 @@ from fabric_hsdp.topology import Topology
 from fabric_hsdp.units import format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_SAFETY_MARGIN = 0.1
+# Context parallelism is weighed only where nothing fits without it: it asks the training loop to split each
+# sequence over the group (the strategy's, not the model's, change), and its key/value gathers sit on every layer's
+# critical path, so it is the lever for sequences too long to fit, not for speed. --context_parallel_size weighs a size.
+CONTEXT_PARALLEL_RULE = "context parallelism weighed only where no layout fits without it"
 # The interconnect assumed where none is given: an H100 node as DGX H100 / HGX H100 clusters (and AWS p5, Azure
 # ND H100 v5) build it, eight 400 Gbit/s InfiniBand or Ethernet NICs (one per GPU) and NVLink 4 at 450 GB/s per GPU
 # per direction. Stated in the plan's output.
@@ -155,6 +160,7 @@ class Plan:
     weigh_recompute: bool = True  # rows weigh selective and full activation checkpointing
     weigh_gathering: bool = True  # rows weigh keeping the weights gathered for the step
     expert_parallel_sizes: list[int] | None = None  # the user's; None: every size the model and topology allow
+    context_parallel_sizes: list[int] | None = None  # the user's; None: every size the topology allows
 
     @property
     def usable_memory(self) -> int:
@@ -176,6 +182,7 @@ def make_plan(
     weigh_recompute: bool = True,
     weigh_gathering: bool = True,
     expert_parallel_sizes: list[int] | None = None,
+    context_parallel_sizes: list[int] | None = None,
 ) -> Plan:
     """Plan every layout the topology accepts (and the model can be split into) at one global batch; recommend one.
 
@@ -196,9 +203,38 @@ def make_plan(
             step) where that fits (else ``training``'s choice).
         expert_parallel_sizes: Only these EP sizes (default: for a model with fused routed experts, every divisor
             of its experts per layer that divides the shard group and the devices per node; else 1).
+        context_parallel_sizes: Only these CP sizes. Default: none (1) where some layout fits without it, else
+            every divisor of the devices per node that divides the shard group, without tensor or expert
+            parallelism (:data:`CONTEXT_PARALLEL_RULE`); a size whose 2 x C does not divide the sequence length is
+            skipped with the reason.
     """
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin={safety_margin!r} must be in [0, 1).")
+    arguments = (model, cluster, training, safety_margin, tensor_parallel_sizes, global_batch_size, adapt)
+    arguments += (weigh_recompute, weigh_gathering, expert_parallel_sizes)
+    if context_parallel_sizes is None:  # the last resort (CONTEXT_PARALLEL_RULE), still the user's choice to replan
+        plan = _plan(*arguments, [1])
+        if plan.recommended is not None:
+            return replace(plan, context_parallel_sizes=None)
+        weighed = _plan(*arguments, context_parallel_candidates(cluster.devices_per_node))
+        # where it does not make a layout fit either, the plan (and its error) is the one without it
+        return replace(weighed if weighed.recommended is not None else plan, context_parallel_sizes=None)
+    return _plan(*arguments, context_parallel_sizes)
+
+
+def _plan(
+    model: ModelShape,
+    cluster: Cluster,
+    training: Training,
+    safety_margin: float,
+    tensor_parallel_sizes: list[int] | None,
+    global_batch_size: int | None,
+    adapt: bool,
+    weigh_recompute: bool,
+    weigh_gathering: bool,
+    expert_parallel_sizes: list[int] | None,
+    context_parallel_sizes: list[int],
+) -> Plan:
     per_node = cluster.devices_per_node
     sizes = tensor_parallel_sizes or [size for size in range(1, per_node + 1) if per_node % size == 0]
     world = cluster.num_nodes * per_node
@@ -211,9 +247,12 @@ def make_plan(
     usable = cluster.device_memory * (1 - safety_margin)
     rows, skipped = [], []
     experts = expert_parallel_sizes or expert_parallel_candidates(model)
-    for layout in candidate_layouts(cluster.num_nodes, per_node, tensor_parallel_sizes, experts):
+    for layout in candidate_layouts(
+        cluster.num_nodes, per_node, tensor_parallel_sizes, experts, context_parallel_sizes
+    ):
         problem = model.tensor_parallel_problem(layout.tensor_parallel_size)
         problem = problem or expert_parallel_problem(model, layout.expert_parallel_size)
+        problem = problem or context_parallel_problem(training.workload.seq_len, layout.context_parallel_size)
         problem = problem or batch_problem(batch, layout.data_parallel_size)
         weigh = (weigh_recompute, weigh_gathering)
         row = None if problem else _plan_layout(model, cluster, training, layout, batch, usable, adapt, weigh)
@@ -227,7 +266,7 @@ def make_plan(
         rows.append(row)
     plan = Plan(
         model, cluster, training, safety_margin, rows, skipped, None, "", batch, given, adapt, sizes, *weigh,
-        expert_parallel_sizes,
+        expert_parallel_sizes, context_parallel_sizes,
     )  # fmt: skip
     best = recommend(rows, bool(cluster.assumed_bandwidths))
     if best is None:
@@ -261,9 +300,8 @@ def _plan_layout(
         key = (chosen.checkpointing, kept)
         if key in seen:
             continue  # a larger micro-batch of these levers fits already: fewer gathers per step
-        memory = memory_per_device(
-            model, chosen, layout.fsdp_size, layout.tensor_parallel_size, layout.expert_parallel_size
-        )
+        sizes = (layout.tensor_parallel_size, layout.expert_parallel_size, layout.context_parallel_size)
+        memory = memory_per_device(model, chosen, layout.fsdp_size, *sizes)
         fits = with_headroom(memory).total <= usable
         last = (chosen, accumulation, memory)
         if fits:
@@ -376,8 +414,9 @@ def _replan(plan: Plan, sizes: list[int] | None, **changes: Cluster | Training) 
     cluster, training = changes.get("cluster", plan.cluster), changes.get("training", plan.training)
     weigh = (plan.weigh_recompute, plan.weigh_gathering)
     return make_plan(
-        plan.model, cluster, training, plan.safety_margin, sizes, batch, plan.adapt, *weigh, plan.expert_parallel_sizes
-    )
+        plan.model, cluster, training, plan.safety_margin, sizes, batch, plan.adapt, *weigh, plan.expert_parallel_sizes,
+        plan.context_parallel_sizes,
+    )  # fmt: skip
 
 
 def _changes(training: Training, weighed: bool = False) -> list[tuple[frozenset[str], Training]]:

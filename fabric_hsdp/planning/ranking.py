@@ -4,13 +4,14 @@ Every row runs the same global batch, so times per step compare directly. The ro
 (with the bandwidths given, else a stated typical interconnect), within 2 %. Near-ties go to the row with the least
 TP (its collectives sit on every layer's critical path, and it shrinks each device's matmuls, which the estimate
 does not count), then the least expert parallelism (its all-to-alls wait on the most loaded rank, which the
-estimate counts only on average), then the least recompute (selective recomputes element-wise ops only, which the
+estimate counts only on average), then the least context parallelism (its key/value gathers wait on the
+slowest rank), then the least recompute (selective recomputes element-wise ops only, which the
 estimate does not count either), then not keeping the weights gathered (less memory), then (where a bandwidth was
 assumed: the estimate may be off) the fewest bytes between nodes, then the smallest shard group.
 
 The sentence names the lever that won (activation checkpointing by mode, weights kept gathered for the step, or
 none) and by how much against the best option without it, the runner-up (the best row of another layout), and the
-best row of every other tensor- and expert-parallel size.
+best row of every other tensor-, expert- and context-parallel size.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def recommend(rows: list[LayoutPlan], assumed: bool = False) -> LayoutPlan | Non
         inter_node = (row.traffic.inter_node_bytes,) if assumed else ()
         recompute, kept = lever_cost(row)
         layout = row.layout
-        parallel = (layout.tensor_parallel_size, layout.expert_parallel_size)
+        parallel = (layout.tensor_parallel_size, layout.expert_parallel_size, layout.context_parallel_size)
         return (*parallel, recompute, kept, *inter_node, layout.shard_size)
 
     return min(near_ties(fitting), key=simplest)
@@ -86,6 +87,8 @@ def _costs(row: LayoutPlan, winner: LayoutPlan) -> str:
         why.append(f"it gathers {best_expert // expert}x the experts of every MoE layer")
     if expert > best_expert:
         why.append("its token all-to-alls sit on every MoE layer's critical path")
+    if row.layout.context_parallel_size > winner.layout.context_parallel_size:
+        why.append("its key/value all-gathers sit on every layer's critical path")
     return "; ".join(why)
 
 
@@ -95,10 +98,9 @@ def _gathers(row: LayoutPlan) -> int:
 
 
 def _alternatives(plan: Plan, row: LayoutPlan) -> list[str]:
-    """The best row of each other tensor-parallel size and of each other expert-parallel size: its figure and why
-    it lost."""
+    """The best row of each other tensor-, expert- and context-parallel size: its figure and why it lost."""
     lines = []
-    for name in ("tensor_parallel_size", "expert_parallel_size"):
+    for name in ("tensor_parallel_size", "expert_parallel_size", "context_parallel_size"):
         for size in sorted({getattr(other.layout, name) for other in plan.rows}):
             if size != getattr(row.layout, name):
                 of_size = [other for other in plan.rows if getattr(other.layout, name) == size]
@@ -213,7 +215,7 @@ def reason(plan: Plan, row: LayoutPlan) -> str:
         f" the estimated activations counted {ACTIVATION_HEADROOM:.0%} over)"
     )
     assumed = bool(plan.cluster.assumed_bandwidths)
-    then = "the least tensor and expert parallelism, recompute and gathering" + (
+    then = "the least tensor, expert and context parallelism, recompute and gathering" + (
         ", the fewest bytes between nodes (the bandwidth is assumed)" if assumed else ""
     )
     ranked = f"the shortest estimated step time (within {_SAME_TIME:.0%}, then {then}, the smallest shard group)"

@@ -6,7 +6,7 @@ from typing import Any
 
 from fabric_hsdp.planning.experts import RECEIVED_TOKENS_HEADROOM
 from fabric_hsdp.planning.layout import layout_summary
-from fabric_hsdp.planning.plan import TYPICAL_FABRIC, LayoutPlan, Plan
+from fabric_hsdp.planning.plan import CONTEXT_PARALLEL_RULE, TYPICAL_FABRIC, LayoutPlan, Plan
 from fabric_hsdp.planning.step import ACTIVATION_HEADROOM
 from fabric_hsdp.planning.throughput import DEFAULT_DEVICE_FLOPS
 from fabric_hsdp.units import format_bytes, format_seconds
@@ -29,12 +29,12 @@ def plan_table(plan: Plan) -> str:
         f" activation checkpointing {_weighed_checkpointing(plan)},"
         f" weights kept gathered for the step {_weighed_gathering(plan)},"
         f" CPU offload {'on' if training.cpu_offload else 'off'},"
-        f" reshard_after_forward={training.reshard_after_forward}" + _levers(training),
+        f" reshard_after_forward={training.reshard_after_forward}, {_weighed_context(plan)}" + _levers(training),
         _batch_line(plan),
         _compute_line(plan),
         "",
     ]
-    header = ["", "shard", "TP", "EP", "mesh", "DP", "micro x acc.", "AC", "kept", "params", "grads", "optim"]
+    header = ["", "shard", "TP", "EP", "CP", "mesh", "DP", "micro x acc.", "AC", "kept", "params", "grads", "optim"]
     header += ["gathered", "activ.*", "tokens in", "total", "+headroom", "fits"]
     header += ["inter-node/step", "inter-node/token", "intra-node/step"]
     header += ["inter-node time", "intra-node time", "compute", "step time", "tokens/s", "MFU"]
@@ -46,6 +46,7 @@ def plan_table(plan: Plan) -> str:
             str(row.layout.shard_size),
             str(row.layout.tensor_parallel_size),
             str(row.layout.expert_parallel_size),
+            str(row.layout.context_parallel_size),
             "x".join(str(size) for size in row.layout.mesh_shape),
             str(row.data_parallel_size),
             f"{row.step.micro_batch_size} x {row.step.accumulation_steps}",
@@ -72,7 +73,7 @@ def plan_table(plan: Plan) -> str:
     widths = [max(len(cells[column]) for cells in table) for column in range(len(header))]
     for cells in table:
         aligned = [
-            cell.ljust(width) if column in (0, 4) else cell.rjust(width)
+            cell.ljust(width) if column in (0, 5) else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(cells, widths))
         ]
         lines.append("  ".join(aligned).rstrip())
@@ -92,8 +93,10 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"skipped: {layout_summary(layout)}: {reason}")
     lines.append(ACTIVATIONS_NOTE)
     lines.append(
-        f"  EP: expert-parallel ranks (each MoE layer's experts split over them, tokens exchanged all-to-all); DP:"
-        " data-parallel ranks (world / TP); micro x acc.: sequences per micro-batch x micro-batches per step"
+        f"  EP: expert-parallel ranks (each MoE layer's experts split over them, tokens exchanged all-to-all); CP:"
+        " context-parallel ranks (each sequence split over them, keys and values all-gathered in every layer: the"
+        " activations of seq_len / CP tokens plus the gathered keys and values); DP: data-parallel ranks"
+        " (world / (TP x CP)); micro x acc.: sequences per micro-batch x micro-batches per step"
         f" (gradient accumulation), the largest micro-batch that fits; AC: activation checkpointing; kept: weights"
         " kept gathered for the step (keep_gathered_while_accumulating=True: one gather per step); tokens in: one"
         f" MoE layer's rows received from its expert group, counted {RECEIVED_TOKENS_HEADROOM:g}x the balanced"
@@ -104,8 +107,8 @@ def plan_table(plan: Plan) -> str:
         + "; time: those bytes over the bandwidth, not overlapped"
     )
     lines.append(
-        "  step time: max(compute, FSDP and replica traffic) + tensor-parallel and all-to-all traffic (on the critical"
-        " path);"
+        "  step time: max(compute, FSDP and replica traffic) + tensor-parallel, all-to-all and key/value traffic (on"
+        " the critical path);"
         " compute = (6 N + 12 L d s) FLOPs per token (+ recompute: full AC the layers' forward, selective none of"
         " the matmuls) at the stated efficiency; MFU: model FLOPs over the peak (estimates, not measurements)"
     )
@@ -121,6 +124,8 @@ def strategy_call(row: LayoutPlan) -> str:
         arguments += [f"{name}=True" for name in ("sequence_parallel", "loss_parallel") if getattr(training, name)]
     if layout.expert_parallel_size > 1:
         arguments.append(f"expert_parallel_size={layout.expert_parallel_size}")
+    if layout.context_parallel_size > 1:
+        arguments.append(f"context_parallel_size={layout.context_parallel_size}")
     mode = training.checkpointing
     if mode != "none":
         arguments.append("activation_checkpointing={<the block class>}")
@@ -138,6 +143,9 @@ def strategy_call(row: LayoutPlan) -> str:
         if steps > 1
         else ", one micro-batch per step"
     )
+    if layout.context_parallel_size > 1:
+        accumulate += f", each sequence split over the {layout.context_parallel_size} ranks of its context group"
+
     return (
         f"HybridFSDPStrategy({', '.join(arguments)}), Fabric(precision={training.precision!r}),"
         f" micro-batches of {step.micro_batch_size} sequence{'s' if step.micro_batch_size > 1 else ''}" + accumulate
@@ -176,6 +184,13 @@ def _weighed_gathering(plan: Plan) -> str:
     if plan.adapt and plan.weigh_gathering:
         return "weighed per layout"
     return "on" if plan.training.keep_gathered_while_accumulating else "off"
+
+
+def _weighed_context(plan: Plan) -> str:
+    sizes = plan.context_parallel_sizes
+    if sizes is None:
+        return CONTEXT_PARALLEL_RULE
+    return "context_parallel_size " + " or ".join(map(str, sizes))
 
 
 def _levers(training: Any) -> str:
@@ -239,6 +254,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                 "shard_size": layout.shard_size,
                 "tensor_parallel_size": layout.tensor_parallel_size,
                 "expert_parallel_size": layout.expert_parallel_size,
+                "context_parallel_size": layout.context_parallel_size,
                 "reason": reason,
             }
             for layout, reason in plan.skipped
@@ -255,6 +271,7 @@ def _row_dict(row: LayoutPlan) -> dict[str, Any]:
         "shard_size": layout.shard_size,
         "tensor_parallel_size": layout.tensor_parallel_size,
         "expert_parallel_size": layout.expert_parallel_size,
+        "context_parallel_size": layout.context_parallel_size,
         "fsdp_size": layout.fsdp_size,
         "expert_shard_size": layout.expert_shard_size,
         "replicate_size": layout.replicate_size,

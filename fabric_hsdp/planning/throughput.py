@@ -2,9 +2,10 @@
 
 Each tensor-parallel group works on one micro-batch, so a layout with TP degree ``T`` on ``W`` ranks has ``W / T``
 data-parallel ranks, and a step of ``a`` micro-batches (gradient accumulation) processes
-``W / T x micro-batch x a x seq_len`` tokens. The plan compares every layout at one global batch (so the same
-tokens per step): TP's layouts run more sequences per data-parallel rank, as a larger micro-batch or more
-accumulation steps (see :mod:`~fabric_hsdp.planning.step`).
+``W / T x micro-batch x a x seq_len`` tokens; context-parallel peers (degree ``C``) share one too: ``W / (T C)``
+data-parallel ranks, each computing ``1 / C`` of its group's micro-batch. The plan compares every layout at one
+global batch (so the same tokens per step): TP's and CP's layouts run more sequences per data-parallel rank, as a
+larger micro-batch or more accumulation steps (see :mod:`~fabric_hsdp.planning.step`).
 
 Compute, per token (torchtitan's and PaLM's count): ``6 N + 12 L d s`` model FLOPs, ``N`` the parameters that do
 matmuls (every 2-D weight except the token embedding, whose forward is a lookup; the output head counts even when
@@ -14,12 +15,14 @@ the sequence length. A frozen weight (a LoRA model's base) needs no weight gradi
 token instead of ``6``. The hardware also runs the forward again for every checkpointed layer (full AC; selective AC
 recomputes only element-wise ops, counted as none: they are memory-bound, not FLOPs, and not measured here; among
 near-ties the ranking prefers less recompute). A device's compute per step is its TP group's tokens' FLOPs over
-``T``, at ``device_flops x efficiency``.
+``T C`` (the queries of ``s / C`` tokens against all ``s`` keys is ``1 / C`` of the attention too), at
+``device_flops x efficiency``.
 
 Step time (an estimate, stated in the table): FSDP's gathers and reduce-scatters and the replicas' all-reduce overlap
-with compute, tensor-parallel collectives and expert parallelism's token all-to-alls (the experts wait for their
-tokens) sit on every layer's critical path, so ``step = max(compute, inter-node bytes / inter-node bandwidth, FSDP
-and replica intra-node bytes / intra-node bandwidth) + (TP + all-to-all bytes) / intra-node bandwidth``; a bandwidth
+with compute, tensor-parallel collectives, expert parallelism's token all-to-alls (the experts wait for their
+tokens) and context parallelism's key/value all-gathers and reduce-scatters (the attention waits for them) sit on
+every layer's critical path, so ``step = max(compute, inter-node bytes / inter-node bandwidth, FSDP and replica
+intra-node bytes / intra-node bandwidth) + (TP + all-to-all + K/V bytes) / intra-node bandwidth``; a bandwidth
 not given is not counted. MFU is the model FLOPs
 (recompute excluded) per second over the devices' peak.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from fabric_hsdp.planning.memory import Training
 from fabric_hsdp.planning.model import ModelShape, ParameterShape
 from fabric_hsdp.planning.traffic import Traffic
-from fabric_hsdp.topology import EXPERT_DIM, TENSOR_DIM, Topology
+from fabric_hsdp.topology import CONTEXT_DIM, EXPERT_DIM, TENSOR_DIM, Topology
 
 # H100 SXM's dense bf16 tensor-core peak: the default when bandwidths are given without --device_flops
 DEFAULT_DEVICE_FLOPS = 989e12
@@ -126,17 +129,19 @@ def throughput(
     """Tokens per step, bytes per token and, with a bandwidth, the step time, tokens/s and MFU of ``layout``, for
     ``accumulation_steps`` micro-batches per step (``traffic`` is that step's)."""
     data_parallel = layout.data_parallel_size
-    tokens_per_rank = accumulation_steps * training.workload.tokens
-    tokens = data_parallel * tokens_per_rank
+    tokens_per_data_parallel_rank = accumulation_steps * training.workload.tokens
+    tokens = data_parallel * tokens_per_data_parallel_rank
     inter, intra = traffic.inter_node_bytes / tokens, traffic.intra_node_bytes / tokens
     if inter_node_bandwidth is None and intra_node_bandwidth is None:
         return Throughput(data_parallel, tokens, inter, intra)
     peak = device_flops if device_flops is not None else DEFAULT_DEVICE_FLOPS
     model_flops, hardware_flops = flops_per_token(model, training)
-    compute = tokens_per_rank * hardware_flops / layout.tensor_parallel_size / (peak * efficiency)
+    # tensor- and context-parallel peers split their micro-batch's FLOPs
+    sharing = layout.tensor_parallel_size * layout.context_parallel_size
+    compute = tokens_per_data_parallel_rank * hardware_flops / sharing / (peak * efficiency)
     intra_by_dim = traffic.intra_by_dim or {}
-    # on the critical path; the expert group is inside a node (the topology refuses otherwise)
-    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0) + intra_by_dim.get(EXPERT_DIM, 0.0)
+    # on the critical path; the expert and context groups are inside a node (the topology refuses otherwise)
+    critical_bytes = sum(intra_by_dim.get(dim, 0.0) for dim in (TENSOR_DIM, EXPERT_DIM, CONTEXT_DIM))
     overlapped = [compute]
     if inter_node_bandwidth is not None:
         overlapped.append(traffic.inter_node_bytes / inter_node_bandwidth)

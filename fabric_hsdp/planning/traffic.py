@@ -33,6 +33,10 @@ and TP degree ``T``:
   ``N``-th rank of the copy: a ring crossing nodes at every edge when the copy spans nodes) instead of the shard
   group; and the tokens' all-to-alls in the ``expert`` group (consecutive ranks of a node), each rank sending an equal
   share to each other rank. Once per micro-batch.
+* Context parallelism of degree ``C`` (:mod:`~fabric_hsdp.planning.context`): in the ``context`` group (consecutive
+  ranks of a node), per layer a ring all-gather of the keys and values in forward (again where full checkpointing
+  recomputes it) and a reduce-scatter of their gradients in backward (on gloo an all-reduce). Once per micro-batch.
+  FSDP's gathers run over the whole shard group as without it.
 """
 
 from __future__ import annotations
@@ -41,10 +45,19 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fabric_hsdp.planning.context import key_value_exchange_bytes
 from fabric_hsdp.planning.experts import token_exchange_bytes
 from fabric_hsdp.planning.memory import Training, unit_sizes
 from fabric_hsdp.planning.model import ModelShape
-from fabric_hsdp.topology import EXPERT_DIM, EXPERT_SHARD_DIM, REPLICATE_DIM, SHARD_DIM, TENSOR_DIM, Topology
+from fabric_hsdp.topology import (
+    CONTEXT_DIM,
+    EXPERT_DIM,
+    EXPERT_SHARD_DIM,
+    REPLICATE_DIM,
+    SHARD_DIM,
+    TENSOR_DIM,
+    Topology,
+)
 
 BACKENDS = ("nccl", "gloo")
 
@@ -120,6 +133,8 @@ def _ring_edge_bytes(
         * experts.per_step(gathers, accumulation_steps, reduce_scatter_factor),
         REPLICATE_DIM: 2 * _ring(layout.replicate_size) * shard,
         TENSOR_DIM: accumulation_steps * _tensor_parallel_edge_bytes(model, training, tensor),
+        CONTEXT_DIM: accumulation_steps
+        * key_value_exchange_bytes(model, training, layout.context_parallel_size, reduce_scatter_factor),
     }
 
 

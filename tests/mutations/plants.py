@@ -1856,8 +1856,8 @@ PLANTS: dict[str, Plant] = {
         "auto_topology resolves the chosen shard_size without its expert_parallel_size",
         (
             (
-                "    sizes = (tensor_parallel_size, chosen.expert_parallel_size)\n",
-                "    sizes = (tensor_parallel_size, 1)\n",
+                "    sizes = (tensor_parallel_size, chosen.expert_parallel_size, chosen.context_parallel_size)\n",
+                "    sizes = (tensor_parallel_size, 1, chosen.context_parallel_size)\n",
             ),
         ),
         ("tests/planning/test_expert_parallel_plan.py::test_shard_size_auto_returns_the_chosen_expert_parallel_size",),
@@ -1867,8 +1867,9 @@ PLANTS: dict[str, Plant] = {
         "the token all-to-alls counted as overlapped with compute, like FSDP's gathers",
         (
             (
-                "    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0) + intra_by_dim.get(EXPERT_DIM, 0.0)\n",
-                "    critical_bytes = intra_by_dim.get(TENSOR_DIM, 0.0)\n",
+                "    critical_bytes = sum(intra_by_dim.get(dim, 0.0) for dim in (TENSOR_DIM, EXPERT_DIM, CONTEXT_DIM))"
+                "\n",
+                "    critical_bytes = sum(intra_by_dim.get(dim, 0.0) for dim in (TENSOR_DIM, CONTEXT_DIM))\n",
             ),
         ),
         ("tests/planning/test_expert_parallel_plan.py::test_the_plan_proposes_ep8_for_qwen3_30b_on_2x8",),
@@ -2102,5 +2103,86 @@ PLANTS: dict[str, Plant] = {
         "each chunk's keys stop one short of its end (its last token sees neither itself nor the one before)",
         (("        end = start + chunk\n", "        end = start + chunk - 1\n"),),
         ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process",),
+    ),
+    "42p1": Plant(
+        "the planner's context dim: activations of seq_len / C tokens (#42)",
+        "a context-parallel rank's activations counted at the full sequence length (forgets the division by C)",
+        (("    local = local_training(training, context_parallel_size)\n", "    local = training\n"),),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_activations_are_those_of_seq_len_over_c_tokens_plus_the_gathered_keys_and_values",
+        ),
+    ),
+    "42p2": Plant(
+        "the planner's context dim: K and V both gathered (#42)",
+        "only the keys counted in the gathered bytes (and their traffic), not the values",
+        (
+            (
+                "    return 2 * training.workload.tokens * model.dims.kv_size * training.compute_bytes\n",
+                "    return training.workload.tokens * model.dims.kv_size * training.compute_bytes\n",
+            ),
+        ),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_llama31_8b_gathers_403_mb_of_keys_and_values_per_layer_forward_at_128k_over_4_ranks",
+        ),
+    ),
+    "42p3": Plant(
+        "the planner's context dim: the gradients' reduce-scatter counted (#42)",
+        "the K/V traffic counts the forward all-gathers only, not the backward reduce-scatter of their gradients",
+        (
+            (
+                "    return layers * (gathers_per_layer(training, layers) + reduce_scatter_factor) * per_collective\n",
+                "    return layers * gathers_per_layer(training, layers) * per_collective\n",
+            ),
+        ),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_llama31_8b_gathers_403_mb_of_keys_and_values_per_layer_forward_at_128k_over_4_ranks",
+        ),
+    ),
+    "42p4": Plant(
+        "the planner's context dim: weighed where nothing fits without it (#42)",
+        "make_plan never weighs context parallelism by default: the 128k plan fits nowhere",
+        (
+            (
+                "        weighed = _plan(*arguments, context_parallel_candidates(cluster.devices_per_node))\n",
+                "        weighed = _plan(*arguments, [1])\n",
+            ),
+        ),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_the_128k_plan_proposes_context_parallelism_where_nothing_fits_without_it",
+        ),
+    ),
+    "42p5": Plant(
+        "the planner's context dim: sequence length divisible by 2C (#42)",
+        "layouts whose 2C does not divide the sequence length are planned instead of skipped",
+        (("    if size == 1 or seq_len % (2 * size) == 0:\n", "    if True:\n"),),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_a_sequence_length_not_divisible_by_2c_is_skipped_with_the_reason",
+        ),
+    ),
+    "42p6": Plant(
+        "the planner's context dim: shard_size='auto' returns the chosen context-parallel size (#42)",
+        "auto_topology resolves the chosen layout without its context_parallel_size",
+        (
+            (
+                "    sizes = (tensor_parallel_size, chosen.expert_parallel_size, chosen.context_parallel_size)\n",
+                "    sizes = (tensor_parallel_size, chosen.expert_parallel_size, 1)\n",
+            ),
+        ),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_auto_returns_context_parallelism_where_nothing_fits_without_it",
+        ),
+    ),
+    "42p7": Plant(
+        "the planner's context dim: a rank computes 1 / C of its group's micro-batch (#42)",
+        "the compute per rank not divided by C: each rank of a context group costed as if it ran the whole sequence",
+        (
+            (
+                "    sharing = layout.tensor_parallel_size * layout.context_parallel_size\n",
+                "    sharing = layout.tensor_parallel_size\n",
+            ),
+        ),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_the_128k_plan_proposes_context_parallelism_where_nothing_fits_without_it",
+        ),
     ),
 }

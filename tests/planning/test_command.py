@@ -66,7 +66,7 @@ def test_table_marks_the_recommended_row_and_says_why(capsys, tmp_path):
     assert code == 0, err
     lines = out.splitlines()
     marked = [line for line in lines if line.startswith("->")]
-    assert len(marked) == 1 and marked[0].split()[1:5] == ["8", "1", "1", "2x8"]
+    assert len(marked) == 1 and marked[0].split()[1:6] == ["8", "1", "1", "1", "2x8"]
     assert "50.0 GB/s between nodes (per node)" in out and "inter-node time" in out
     winner = "recommended: shard_size=8 (one node), mesh (2, 8), micro-batch 1 x 1 accumulation step, activation"
     assert any(line.startswith(winner) for line in lines)
@@ -122,7 +122,7 @@ def test_worked_examples_in_the_docs_are_the_tools_output(capsys, monkeypatch):
     monkeypatch.chdir(repository)
     text = (repository / "docs" / "concepts.md").read_text()
     blocks = re.findall(r"```\n\$ fabric-hsdp (plan [^\n]*)\n(.*?)\n```", text, re.S)
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     for command, shown in blocks:
         _, out, err = run(capsys, *shlex.split(command))
         assert (out + err).rstrip("\n") == shown, command

@@ -288,7 +288,7 @@ def test_table_and_json_show_the_step_and_rates(shapes):
     for column in ("DP", "micro x acc.", "AC", "+headroom", "inter-node/token", "step time", "tokens/s", "MFU"):
         assert column in header
     marked = next(line for line in table.splitlines() if line.startswith("->")).split()
-    assert marked[1:10] == ["8", "1", "1", "2x8", "16", "1", "x", "1", "off"]
+    assert marked[1:11] == ["8", "1", "1", "1", "2x8", "16", "1", "x", "1", "off"]
     assert "989 TFLOP/s per device (assumed: H100 dense bf16; pass --device_flops) at 40% efficiency" in table
 
 

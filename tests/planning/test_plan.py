@@ -94,8 +94,8 @@ def test_worked_example_65b_error_lists_what_would_fit():
     assert smallest.layout.shard_size == 16
     assert f"the smallest total is {smallest.memory.total / GB:.1f} GB per device with shard_size=16" in message
     labels = [option.split(" (")[0] for option in caught.value.options]
-    # Without activation checkpointing the planner's activations alone exceed the 72 GB, on every layout without TP:
-    # no node count, offload or precision change helps (FSDP does not shard activations).
+    # Without activation checkpointing the planner's activations alone exceed the 72 GB, on every layout without TP
+    # or CP: FSDP does not shard activations.
     hidden, layers, inner, vocab = 8192, 80, 22016, 32000
     per_layer = 4096 * (2 * (9 * hidden + 4 * inner) + 8 * hidden)
     activations = layers * per_layer + 4096 * vocab * (2 + 8)  # the layers', then the logits' and the loss's
@@ -109,7 +109,10 @@ def test_worked_example_65b_error_lists_what_would_fit():
     kept = layers * 4096 * hidden * 2 + per_layer + 4096 * vocab * 10
     assert {row.memory.activations for row in plan.rows} == {kept}
     assert not any(row.fits for row in plan.rows) and min(row.memory.total for row in plan.rows) > 72e9
-    assert labels == ["CPU offload + activation checkpointing", "activation checkpointing + precision bf16-true"]
+    # context parallelism (#42), weighed where nothing fits without it, splits the activations FSDP does not: more
+    # nodes, offload or bf16-true each fit with it, without recompute
+    assert labels == ["4 nodes", "CPU offload", "precision bf16-true"]
+    assert all("context_parallel_size=" in option for option in caught.value.options)
     # weighed (the default), recompute is the planner's own choice, not a change to suggest: each change alone fits
     # with full recompute
     with pytest.raises(NoLayoutFitsError) as weighed:
