@@ -46,7 +46,7 @@ class RunTopology:
         self.expert_parallel_size = (
             None if expert_parallel_size is None else validate_expert_parallel_size(expert_parallel_size)
         )
-        # None: 1, or with shard_size="auto" the planner's choice
+        # None: 1, with shard_size="auto" too: a script splits its sequences only when it asks for it (shard_sequence)
         self.context_parallel_size = (
             None if context_parallel_size is None else validate_context_parallel_size(context_parallel_size)
         )
@@ -110,7 +110,7 @@ class RunTopology:
                 tensor_parallel_plan=tensor_parallel_plan,
                 training=training,
                 expert_parallel_size=self.expert_parallel_size,
-                context_parallel_size=self.context_parallel_size,
+                context_parallel_size=self.context_parallel_size or 1,
                 **self._cluster,
             )
         info_on_rank_zero(_logger, "%s", describe_choice(plan))

@@ -74,7 +74,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             choice.
         context_parallel_size: Ranks of a node that split each sequence among them (keys and values all-gathered in
             each attention); they take the same micro-batch, cut with ``strategy.shard_sequence``. Default ``None``:
-            1 (none).
+            1 (none; ``shard_size="auto"`` plans without it unless given: the training loop must cut its sequences).
         reshard_after_forward: FSDP2's option (``None``: FSDP2 decides).
         keep_gathered_while_accumulating: Keep every unit's parameters gathered from the first forward of an
             optimizer step to the last backward: inside ``fabric.no_backward_sync(model, enabled=True)`` the units
