@@ -13,6 +13,8 @@ pytestmark = pytest.mark.slow
 
 def float8_steps(num_nodes: int, devices: int, all_gather: bool) -> dict:
     """3 AdamW steps of the tiny LLaMA with tensorwise float8 (emulated), through the strategy's own setup."""
+    from dataclasses import replace
+
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from fabric_hsdp.float8 import Float8Spec
@@ -20,7 +22,7 @@ def float8_steps(num_nodes: int, devices: int, all_gather: bool) -> dict:
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
     # float8 needs a capable GPU, so the strategy refuses it here: set the validated lever the way it would
-    fabric.strategy._levers.float8 = Float8Spec("tensorwise", emulate=True)
+    fabric.strategy._levers = replace(fabric.strategy._levers, float8=Float8Spec("tensorwise", emulate=True))
     if not all_gather:  # the per-layer path (what tensor parallelism gets): high-precision all-gather
         import fabric_hsdp.parallelize as parallelize
 
