@@ -2103,4 +2103,16 @@ PLANTS: dict[str, Plant] = {
         (("        end = start + chunk\n", "        end = start + chunk - 1\n"),),
         ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process",),
     ),
+    "42x1": Plant(
+        "the fine-tune example under context parallelism reports the unsplit run's validation loss (#42)",
+        "each rank counts the whole windows' tokens for its part's loss sum: the validation loss C times too small",
+        (("    return total, labels.numel()\n", "    return total, windows[:, 1:].numel()\n"),),
+        ("tests/test_examples.py::test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run",),
+    ),
+    "42x3": Plant(
+        "the fine-tune example under context parallelism reports the unsplit run's training loss (#42)",
+        "the logged train loss is the mean of the ranks' shares, not the sum of each context group's",
+        (("            mean_loss *= parallel.context_parallel_size\n", ""),),
+        ("tests/test_examples.py::test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run",),
+    ),
 }
