@@ -331,6 +331,47 @@ def loss_sum(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="sum").double()
 
 
+def context_parallel_loss(strategy: HybridFSDPStrategy, model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Under ``context_parallel_size > 1``: this rank's share of the windows' mean next-token loss, computed on its
+    part of each sequence (``strategy.shard_sequence``); the context group's shares add up to the mean."""
+    tokens, labels, position_ids = strategy.shard_sequence(windows[:, :-1], windows[:, 1:])
+    logits = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+    return strategy.cross_entropy(logits, labels)
+
+
+def windows_loss(strategy: HybridFSDPStrategy, model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(summed next-token loss in float64, tokens)`` of this rank's part of the windows: all of them, or under
+    context parallelism its part of each sequence (summed over the context group each token counts once)."""
+    if strategy.topology.context_parallel_size == 1:
+        return loss_sum(model, windows), windows[:, 1:].numel()
+    tokens, labels, position_ids = strategy.shard_sequence(windows[:, :-1], windows[:, 1:])
+    logits = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").double()
+    return total, labels.numel()
+
+
+@torch.no_grad()
+def probe_logits(fabric: L.Fabric, model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
+    """The ``(1, length, vocab)`` logits of one probe sequence on CPU, for ``examples/check_export.py``; under
+    context parallelism each rank computes its part and the context group gathers the whole sequence."""
+    model.eval()
+    strategy = fabric.strategy
+    context = strategy.parallel_mesh.context
+    if context is None:
+        logits = logits_of(model, probe).float().cpu()
+    else:
+        step = 2 * context.size()
+        probe = probe[:, : max(step, probe.shape[1] // step * step)]
+        tokens, position_ids = strategy.shard_sequence(probe)
+        part = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits.float()
+        group = context.get_group()
+        gathered = fabric.all_gather(part, group=group).transpose(0, 1).flatten(1, 2)  # (1, length, vocab)
+        positions = fabric.all_gather(position_ids, group=group).transpose(0, 1).flatten(1)
+        logits = gathered[:, positions[0].argsort()].cpu()
+    model.train()
+    return logits
+
+
 # --- memory, checkpoints, export --------------------------------------------------------------------------------------
 
 
@@ -409,6 +450,8 @@ class Parallelism:
             ``rank0`` (docs/loading.md).
         async_save: Write checkpoints in the background while training goes on.
         tensor_parallel_size: Ranks of one node that split each layer (tensor parallelism; 1: none).
+        context_parallel_size: Ranks of one node that split each sequence (context parallelism, transformers models
+            only; 1: none): they take the same batch, each computes on ``seq_len / C`` of its tokens.
     """
 
     shard_size: Literal["node", "world"] | int = "node"
@@ -416,6 +459,7 @@ class Parallelism:
     load_mode: Literal["slice", "turns", "rank0"] = "slice"
     async_save: bool = False
     tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
 
 
 def make_strategy(parallel: Parallelism, layers: ModuleListLayers) -> HybridFSDPStrategy:
@@ -432,6 +476,7 @@ def make_strategy(parallel: Parallelism, layers: ModuleListLayers) -> HybridFSDP
         load_mode=parallel.load_mode,
         async_save=parallel.async_save,
         tensor_parallel_size=parallel.tensor_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
     )
 
 
@@ -556,6 +601,11 @@ def main(
     context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", seq_len)
     if seq_len > context:
         raise ValueError(f"--seq_len {seq_len} exceeds the model's context length {context}")
+    if seq_len % (2 * parallel.context_parallel_size) and parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"--seq_len {seq_len} does not split into 2 x --parallel.context_parallel_size"
+            f" ({parallel.context_parallel_size}) equal chunks: pass a multiple of {2 * parallel.context_parallel_size}"
+        )
     train_tokens, val_tokens = train_and_validation_tokens(
         read_documents(data, text_key), tokenizer, val_fraction, seq_len
     )
@@ -639,7 +689,10 @@ def main(
             # the data of a micro-batch depends on its place in the global batch, not on the layout
             index = (step * grad_accumulation + micro) if grad_accumulation > 1 else step
             batch = train_batch(train_tokens, index, data_rank, batch_size, seq_len, seed).to(fabric.device)
-            loss = loss_sum(model, batch) / batch[:, 1:].numel()
+            if parallel.context_parallel_size > 1:
+                loss = context_parallel_loss(strategy, model, batch)
+            else:
+                loss = loss_sum(model, batch) / batch[:, 1:].numel()
             fabric.backward(loss / grad_accumulation)
         if grad_clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=grad_clip)
@@ -648,7 +701,9 @@ def main(
         window_seconds, window_steps = window_seconds + time.perf_counter() - step_started, window_steps + 1
         if step % log_every == 0 or step == max_steps:
             seconds = window_seconds / window_steps
+            # under context parallelism a rank's loss is its share of its group's mean: C x the mean over ranks
             mean_loss = fabric.all_reduce(loss.detach().float(), reduce_op="mean").item()
+            mean_loss *= parallel.context_parallel_size
             say(
                 fabric,
                 f"step {step}/{max_steps}: train loss {mean_loss:.4f}, {seconds:.2f} s/step,"
@@ -720,17 +775,15 @@ def export_and_record(
     state is still there), and it can be repeated offline if it fails.
     """
     probe = windows[:1, : min(32, windows.shape[1] - 1)].to(fabric.device)
-    with torch.no_grad():
-        model.eval()
-        probe_logits = logits_of(model, probe).float().cpu()
-        model.train()
+    logits = probe_logits(fabric, model, probe)
+    probe = probe[:, : logits.shape[1]]
     outcome = "ok"
     error: BaseException | None = None
     if fabric.global_rank == 0:
         begun = time.perf_counter()
         try:
             written = export_model(checkpoint, fmt, checkpoint_dir, out_dir / "export", max_shard_size, tied)
-            record = {"format": fmt, "export": str(out_dir / "export"), "tokens": probe.cpu(), "logits": probe_logits}
+            record = {"format": fmt, "export": str(out_dir / "export"), "tokens": probe.cpu(), "logits": logits}
             record.update(validation=validation, step=int(checkpoint.name.split("-")[1]), source=str(checkpoint_dir))
             torch.save(record, out_dir / EXPORT_CHECK)
             say(
@@ -764,10 +817,8 @@ def export_adapters_and_record(
     from fabric_hsdp.adapters import export_litgpt_adapter, export_peft_adapter
 
     probe = windows[:1, : min(32, windows.shape[1] - 1)].to(fabric.device)
-    with torch.no_grad():
-        model.eval()
-        probe_logits = logits_of(model, probe).float().cpu()
-        model.train()
+    logits = probe_logits(fabric, model, probe)
+    probe = probe[:, : logits.shape[1]]
     begun = time.perf_counter()
     export_dir = out_dir / "export"
     if fmt == "transformers":
@@ -779,7 +830,7 @@ def export_adapters_and_record(
         fabric.barrier()
         export_litgpt_adapter(model, export_dir / "lit_model.pth.lora")
     if fabric.global_rank == 0:
-        record = {"format": fmt, "export": str(export_dir), "tokens": probe.cpu(), "logits": probe_logits}
+        record = {"format": fmt, "export": str(export_dir), "tokens": probe.cpu(), "logits": logits}
         record.update(validation=validation, step=step, source=str(checkpoint_dir))
         torch.save(record, out_dir / EXPORT_CHECK)
         written = sorted(path.name for path in export_dir.iterdir())
@@ -792,7 +843,8 @@ def evaluate(fabric: L.Fabric, model: nn.Module, windows: torch.Tensor, batch_si
     """Mean next-token loss over all validation windows, split over the ranks (each window counted once).
 
     Every rank runs the same number of forwards (FSDP gathers parameters collectively); a rank with fewer windows
-    repeats one and counts it zero times.
+    repeats one and counts it zero times. Under context parallelism each rank sums the loss over its part of each
+    window and counts its part's tokens: the sums over all ranks hold every token once per context group.
     """
     model.eval()
     data_rank, data_ranks = data_parallel_rank(fabric)
@@ -802,10 +854,11 @@ def evaluate(fabric: L.Fabric, model: nn.Module, windows: torch.Tensor, batch_si
     for index in range(forwards):
         batch = mine[index * batch_size : (index + 1) * batch_size]
         if len(batch):
-            total[0] += loss_sum(model, batch.to(fabric.device))
-            total[1] += batch[:, 1:].numel()
-        else:
-            loss_sum(model, windows[:1].to(fabric.device))
+            loss, tokens = windows_loss(fabric.strategy, model, batch.to(fabric.device))
+            total[0] += loss
+            total[1] += tokens
+        else:  # under context parallelism the group's peers hold no window either: they run this forward together
+            windows_loss(fabric.strategy, model, windows[:1].to(fabric.device))
     model.train()
     total = fabric.all_reduce(total, reduce_op="sum")  # ranks that share a batch count it alike: the ratio holds
     return (total[0] / total[1]).item()

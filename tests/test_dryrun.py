@@ -340,3 +340,30 @@ def test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_worl
     assert {"setup", "step"} <= set(report.phases)
     # the planner's FSDP-only figure is EP's here: each rank holds E/8 experts either way (expert_shard is 1)
     assert report.planned is not None and report.planned.parameters == 4 * expected
+
+
+@pytest.mark.timeout(300)
+def test_a_context_parallel_rank_of_2x8_runs_its_split_sequences_in_the_fake_world(tmp_path):
+    """#42: rank 5 of 2 x 8 with context_parallel_size=2 trains 2 steps of a tiny transformers Llama through
+    ``shard_sequence`` and ``cross_entropy``: its attention's all-gathers of keys and values (even splits) and the
+    label count's all-reduce run on the fake backend, and the report places it on the context dim."""
+    from fabric_hsdp.dryrun.train_script import __file__ as train_script
+    from tests.helpers.training import hf_config
+
+    config = hf_config()
+    config.save_pretrained(tmp_path / "model")
+    args = ["--model", str(tmp_path / "model"), "--context_parallel_size", "2", "--precision", "32-true"]
+    args += ["--num_nodes", "2", "--devices", "8", "--steps", "5", "--seq_len", "16"]
+    report = dry_run(train_script, args, num_nodes=2, devices_per_node=8, rank=5, max_steps=2, scratch=tmp_path / "s")
+
+    assert report.mesh_dim_names == ("replicate", "data_shard", "context")
+    # node 0, local rank 5: context group (4, 5) at data_shard 2; FSDP shards over data_shard x context, chunk 5 of 8
+    assert (report.mesh_shape, report.coordinates, report.steps) == ((2, 4, 2), (0, 2, 1), 2)
+    assert "data-parallel rank 2 of 8" in report.text(), report.text()
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = sum(shard_elements(tuple(parameter.shape), 5, 8) for parameter in model.parameters())
+    assert report.local_parameters == expected
+    assert {"setup", "step"} <= set(report.phases)

@@ -342,3 +342,38 @@ def test_finetune_says_each_fact_of_the_job_once(tiny_models, tmp_path):
     for fact in ("4 ranks = 2 node(s) x 2", "tokenizer: litgpt.Tokenizer", "ready in", "step 1/1: train loss", "done:"):
         assert len([line for line in output.splitlines() if line.startswith(fact)]) == 1, (fact, output)
     assert "done: fine-tuned val loss" in result.ranks[0].stdout
+
+
+def _finetune_losses(checkpoint_dir: Path, out_dir: Path, num_nodes: int, devices: int, **parallel: int) -> dict:
+    """examples/finetune.py (3 steps, the export too) on ``num_nodes x devices`` ranks: the train losses it printed,
+    the validation losses and the probe's logits it recorded for the export's check."""
+    args = {"checkpoint_dir": str(checkpoint_dir), "out_dir": str(out_dir), "max_steps": 3, "save_every": 0}
+    args.update(batch_size=2, seq_len=32, max_val_windows=5, parallel=parallel)
+    output = launch(
+        "tests.helpers.training:finetune", {"args": args}, num_nodes=num_nodes, ranks_per_node=devices, timeout=200
+    ).check()
+    stdout = output.ranks[0].stdout
+    record = torch.load(out_dir / "export_check.pt", weights_only=True)
+    return {
+        "train": [float(_loss_at(step, stdout)) for step in (1, 2, 3)],
+        "val": (record["validation"]["val_loss_before"], record["validation"]["val_loss"]),
+        "logits": record["logits"],
+        "stdout": stdout,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * 200 + 60)
+def test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run(tiny_models, tmp_path):
+    """#42: --parallel.context_parallel_size 2 on 2 nodes x 2 ranks (2 data-parallel ranks, each sequence split over
+    2) against 1 node x 2 ranks without it (the same 2 data-parallel ranks, so the same data): the training and
+    validation losses and the export's probe logits are the same up to summation order."""
+    split = _finetune_losses(tiny_models[0], tmp_path / "cp2", 2, 2, context_parallel_size=2)
+    whole = _finetune_losses(tiny_models[0], tmp_path / "cp1", 1, 2)
+    assert "mesh (replicate, data_shard, context) = (2, 1, 2)" in split["stdout"], split["stdout"][-3000:]
+    # printed to 4 decimals: one unit of the last digit for rounding at the print
+    assert max(abs(a - b) for a, b in zip(split["train"], whole["train"], strict=True)) <= 1.5e-4, (split, whole)
+    assert max(abs(a - b) for a, b in zip(split["val"], whole["val"], strict=True)) < 1e-5, (split, whole)
+    assert split["val"][1] < split["val"][0]  # it trained
+    assert split["logits"].shape == whole["logits"].shape
+    assert (split["logits"] - whole["logits"]).abs().max() < 1e-4

@@ -10,6 +10,8 @@ the meta device (``empty_init=True``); ``--init_from`` fills them with ``fabric.
 adapters of rank R on every linear layer of the blocks, the base frozen, as ``examples/finetune.py --lora_r`` builds
 them (litgpt's ``lora.GPT``; peft's ``get_peft_model`` with ``target_modules="all-linear"``).
 ``--expert_parallel_size N``: a mixture-of-experts model's experts split ``N`` ways (``HybridFSDPStrategy``'s own).
+``--context_parallel_size C``: each sequence split over ``C`` ranks (transformers models), the step as a user writes
+it: ``strategy.shard_sequence``, the model given the position ids, ``strategy.cross_entropy``.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     parser.add_argument("--shard_size", default="node")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--expert_parallel_size", type=int, default=1)
+    parser.add_argument("--context_parallel_size", type=int, default=1)
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--activation_checkpointing_mode", default="full", choices=["full", "selective"])
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         shard_size=shard_size,
         tensor_parallel_size=args.tp,
         expert_parallel_size=args.expert_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         activation_checkpointing={block} if args.activation_checkpointing else None,
         activation_checkpointing_mode=args.activation_checkpointing_mode,
         keep_gathered_while_accumulating=args.keep_gathered_while_accumulating,
@@ -131,11 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = fabric.setup_optimizers(optimizer)
     if args.init_from:
         fabric.load_raw(args.init_from, model)
-    for _ in range(args.steps):
-        tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), device=fabric.device)
-        output = model(tokens[:, :-1])
-        logits = output.logits if hasattr(output, "logits") else output
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    for step in range(args.steps):
+        if args.context_parallel_size > 1:
+            loss = _context_parallel_loss(strategy, model, args, vocab, step)
+        else:
+            tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), device=fabric.device)
+            output = model(tokens[:, :-1])
+            logits = output.logits if hasattr(output, "logits") else output
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -145,6 +152,17 @@ def main(argv: list[str] | None = None) -> None:
         adapters = set(adapter_keys(model))
         adapters_only = {"model": lambda name, value: name in adapters} if args.lora_r else None
         fabric.save(args.save, {"model": model, "optimizer": optimizer}, filter=adapters_only)
+
+
+def _context_parallel_loss(strategy: Any, model: torch.nn.Module, args: Any, vocab: int, step: int) -> torch.Tensor:
+    """This rank's share of the step's loss under context parallelism: the ranks of a context group draw the same
+    sequences (seeded by their data-parallel rank) and each computes on its part of them."""
+    generator = torch.Generator().manual_seed(step * 100_003 + strategy.distributed_sampler_kwargs["rank"])
+    tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=generator)
+    tokens = tokens.to(strategy.root_device)
+    inputs, labels, position_ids = strategy.shard_sequence(tokens[:, :-1], tokens[:, 1:])
+    logits = model(inputs, position_ids=position_ids).logits
+    return strategy.cross_entropy(logits, labels)
 
 
 if __name__ == "__main__":

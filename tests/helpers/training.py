@@ -219,7 +219,9 @@ PATH_ARGUMENTS = ("checkpoint_dir", "out_dir", "data")
 
 
 def finetune(num_nodes: int, devices: int, args: dict[str, Any]) -> None:
-    from examples.finetune import main
+    from examples.finetune import Parallelism, main
 
     arguments = {key: Path(value) if key in PATH_ARGUMENTS else value for key, value in args.items()}
+    if "parallel" in arguments:  # JSON carries the dataclass's fields
+        arguments["parallel"] = Parallelism(**arguments["parallel"])
     main(**arguments, accelerator="cpu", devices=devices, num_nodes=num_nodes)

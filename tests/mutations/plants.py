@@ -2185,4 +2185,23 @@ PLANTS: dict[str, Plant] = {
             "tests/planning/test_context_parallel_plan.py::test_the_128k_plan_proposes_context_parallelism_where_nothing_fits_without_it",
         ),
     ),
+    "42x1": Plant(
+        "the fine-tune example under context parallelism reports the unsplit run's validation loss (#42)",
+        "each rank counts the whole windows' tokens for its part's loss sum: the validation loss C times too small",
+        (("    return total, labels.numel()\n", "    return total, windows[:, 1:].numel()\n"),),
+        ("tests/test_examples.py::test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run",),
+    ),
+    "42x2": Plant(
+        "the dry run's training step under context parallelism is a user's (#42)",
+        "train_script.py cuts the sequences but does not pass the model their position ids",
+        (("    logits = model(inputs, position_ids=position_ids).logits\n", "    logits = model(inputs).logits\n"),),
+        ("tests/test_dryrun.py::test_a_context_parallel_rank_of_2x8_runs_its_split_sequences_in_the_fake_world",),
+        expect="pass the model the position ids",
+    ),
+    "42x3": Plant(
+        "the fine-tune example under context parallelism reports the unsplit run's training loss (#42)",
+        "the logged train loss is the mean of the ranks' shares, not the sum of each context group's",
+        (("            mean_loss *= parallel.context_parallel_size\n", ""),),
+        ("tests/test_examples.py::test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run",),
+    ),
 }
