@@ -328,18 +328,21 @@ def all_reduce(tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
 
 
 def all_gather_tensor(tensor: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
-    """The functional ``all_gather_tensor`` (no gradient): every rank's ``tensor`` concatenated along ``gather_dim``,
-    in rank order."""
-    from torch.distributed._functional_collectives import all_gather_tensor
+    """The functional all-gather (no gradient): every rank's ``tensor`` concatenated along ``gather_dim``, in rank
+    order. ``all_gather_single`` from torch 2.13 (``all_gather_tensor``, the name before, warns there)."""
+    import torch.distributed._functional_collectives as functional
 
-    return all_gather_tensor(tensor, gather_dim, group)
+    gather = getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
+    return gather(tensor, gather_dim, group)
 
 
 def all_gather_tensor_autograd(tensor: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
-    """The differentiable functional ``all_gather_tensor``: backward reduce-scatters the gradient (a sum)."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    """The differentiable functional all-gather: backward reduce-scatters the gradient (a sum).
+    ``all_gather_single_autograd`` from torch 2.13 (``all_gather_tensor_autograd`` before)."""
+    import torch.distributed._functional_collectives as functional
 
-    return all_gather_tensor_autograd(tensor, gather_dim, group)
+    gather = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
+    return gather(tensor, gather_dim, group)
 
 
 def c10d_functional_ops() -> Any:
