@@ -15,7 +15,7 @@ from fabric_hsdp.topology import (
     validate_shard_size,
 )
 from fabric_hsdp.units import parse_bytes
-from fabric_hsdp.versions import expert_parallel_unsupported
+from fabric_hsdp.versions import split_shard_dim_unsupported
 
 if TYPE_CHECKING:
     from fabric_hsdp.planning.memory import Training, Workload
@@ -50,11 +50,12 @@ class RunTopology:
         self.context_parallel_size = (
             None if context_parallel_size is None else validate_context_parallel_size(context_parallel_size)
         )
-        if (expert_parallel_size or 1) > 1 and (reason := expert_parallel_unsupported()):
-            raise ValueError(
-                f"HybridFSDPStrategy(expert_parallel_size={expert_parallel_size}) cannot run here: {reason}. Upgrade"
-                " torch, or drop expert_parallel_size (the experts are then sharded by FSDP inside each layer)."
-            )
+        for name, size in (("expert", expert_parallel_size), ("context", context_parallel_size)):
+            if (size or 1) > 1 and (reason := split_shard_dim_unsupported()):
+                raise ValueError(
+                    f"HybridFSDPStrategy({name}_parallel_size={size}) cannot run here: {reason}. Upgrade torch, or"
+                    f" drop {name}_parallel_size."
+                )
         self.memory_budget = check_memory_budget(shard_size, memory_budget, device_type=None)
         self.workload = workload
         self._topology: Topology | None = None

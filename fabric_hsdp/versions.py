@@ -232,11 +232,12 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
-def expert_parallel_unsupported() -> str | None:
-    """Why this torch cannot run expert parallelism, or ``None``. torch 2.8 slices no sub-mesh of a mesh whose
-    ``shard`` dim is flattened from ``(expert_shard, expert)`` ("Cannot create a submesh from a submesh", seen in
-    ``make_replicas_identical``) and has no CPU ``torch._grouped_mm``; 2.9.1, 2.11, 2.13 and 2.14.1 ran the expert
-    parallel tests here. A structural difference, not one feature to probe before the processes exist: by release."""
+def split_shard_dim_unsupported() -> str | None:
+    """Why this torch cannot split the shard dim for expert or context parallelism, or ``None``. torch 2.8 slices no
+    sub-mesh of a mesh whose ``shard`` dim is flattened from two of its dims ("Cannot create a submesh from a
+    submesh", seen in ``make_replicas_identical``) and has no CPU ``torch._grouped_mm``; 2.9.1, 2.11, 2.13 and 2.14.1
+    ran the expert- and context-parallel tests here. A structural difference, not one feature to probe before the
+    processes exist: by release."""
     release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if release < (2, 9):
         return f"torch {torch.__version__} lacks the device-mesh slicing it needs (torch 2.9 or newer has it)"

@@ -290,10 +290,10 @@ def test_an_expert_parallel_rank_of_2x8_runs_its_token_exchange_in_the_fake_worl
     rows' all-to-all runs with the uneven splits they give, and the report shows the 1 of 8 experts this rank holds."""
     from fabric_hsdp import HybridFSDPStrategy
     from fabric_hsdp.dryrun.train_script import __file__ as train_script
-    from fabric_hsdp.versions import expert_parallel_unsupported
+    from fabric_hsdp.versions import split_shard_dim_unsupported
     from tests.helpers import moe
 
-    if expert_parallel_unsupported():  # torch 2.8: refused when the strategy is made, before any rank runs
+    if split_shard_dim_unsupported():  # torch 2.8: refused when the strategy is made, before any rank runs
         with pytest.raises(ValueError, match=r"expert_parallel_size=8\) cannot run here"):
             HybridFSDPStrategy(expert_parallel_size=8)
         return
@@ -347,9 +347,15 @@ def test_a_context_parallel_rank_of_2x8_runs_its_split_sequences_in_the_fake_wor
     """#42: rank 5 of 2 x 8 with context_parallel_size=2 trains 2 steps of a tiny transformers Llama through
     ``shard_sequence`` and ``cross_entropy``: its attention's all-gathers of keys and values (even splits) and the
     label count's all-reduce run on the fake backend, and the report places it on the context dim."""
+    from fabric_hsdp import HybridFSDPStrategy
     from fabric_hsdp.dryrun.train_script import __file__ as train_script
+    from fabric_hsdp.versions import split_shard_dim_unsupported
     from tests.helpers.training import hf_config
 
+    if split_shard_dim_unsupported():  # torch 2.8: refused when the strategy is made, before any rank runs
+        with pytest.raises(ValueError, match=r"context_parallel_size=2\) cannot run here"):
+            HybridFSDPStrategy(context_parallel_size=2)
+        return
     config = hf_config()
     config.save_pretrained(tmp_path / "model")
     args = ["--model", str(tmp_path / "model"), "--context_parallel_size", "2", "--precision", "32-true"]

@@ -175,14 +175,15 @@ def test_gloo_reductions_are_summed_whatever_tensors_gloo_carries(monkeypatch):
     assert not reduces_by_sum(Mesh("cuda", ["cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"]))
 
 
-def test_expert_parallelism_is_refused_at_construction_on_a_torch_that_cannot_run_it():
+@pytest.mark.parametrize("lever", ["expert_parallel_size", "context_parallel_size"])
+def test_expert_and_context_parallelism_are_refused_at_construction_on_a_torch_that_cannot_run_them(lever):
     from fabric_hsdp import HybridFSDPStrategy
 
     release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if release < (2, 9):  # torch 2.8 (the floor of make test-range)
-        with pytest.raises(ValueError, match=r"expert_parallel_size=2\) cannot run here: torch 2\.8.*2\.9 or newer"):
-            HybridFSDPStrategy(expert_parallel_size=2)
-    else:  # tests/test_expert_parallel.py trains with it (run here on 2.9.1, 2.11, 2.13)
-        assert versions.expert_parallel_unsupported() is None
-        HybridFSDPStrategy(expert_parallel_size=2)
-    HybridFSDPStrategy(expert_parallel_size=1)  # every release
+        with pytest.raises(ValueError, match=lever + r"=2\) cannot run here: torch 2\.8.*2\.9 or newer"):
+            HybridFSDPStrategy(**{lever: 2})
+    else:  # tests/test_expert_parallel.py and test_context_parallel.py train with them (2.9.1, 2.11, 2.13, 2.14.1)
+        assert versions.split_shard_dim_unsupported() is None
+        HybridFSDPStrategy(**{lever: 2})
+    HybridFSDPStrategy(**{lever: 1})  # every release
