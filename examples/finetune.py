@@ -331,11 +331,19 @@ def loss_sum(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="sum").double()
 
 
+def part_logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`logits_of` a rank's part of each sequence under context parallelism: a transformers model takes its
+    tokens' position ids; litgpt's ``GPT`` takes none (the strategy knows a rank's positions, one document each)."""
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        return model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+    return model(tokens)
+
+
 def context_parallel_loss(strategy: HybridFSDPStrategy, model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Under ``context_parallel_size > 1``: this rank's share of the windows' mean next-token loss, computed on its
     part of each sequence (``strategy.shard_sequence``); the context group's shares add up to the mean."""
     tokens, labels, position_ids = strategy.shard_sequence(windows[:, :-1], windows[:, 1:])
-    logits = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+    logits = part_logits(model, tokens, position_ids)
     return strategy.cross_entropy(logits, labels)
 
 
@@ -345,7 +353,7 @@ def windows_loss(strategy: HybridFSDPStrategy, model: nn.Module, windows: torch.
     if strategy.topology.context_parallel_size == 1:
         return loss_sum(model, windows), windows[:, 1:].numel()
     tokens, labels, position_ids = strategy.shard_sequence(windows[:, :-1], windows[:, 1:])
-    logits = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+    logits = part_logits(model, tokens, position_ids)
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").double()
     return total, labels.numel()
 
@@ -363,7 +371,7 @@ def probe_logits(fabric: L.Fabric, model: nn.Module, probe: torch.Tensor) -> tor
         step = 2 * context.size()
         probe = probe[:, : max(step, probe.shape[1] // step * step)]
         tokens, position_ids = strategy.shard_sequence(probe)
-        part = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits.float()
+        part = part_logits(model, tokens, position_ids).float()
         group = context.get_group()
         gathered = fabric.all_gather(part, group=group).transpose(0, 1).flatten(1, 2)  # (1, length, vocab)
         positions = fabric.all_gather(position_ids, group=group).transpose(0, 1).flatten(1)
@@ -450,8 +458,8 @@ class Parallelism:
             ``rank0`` (docs/loading.md).
         async_save: Write checkpoints in the background while training goes on.
         tensor_parallel_size: Ranks of one node that split each layer (tensor parallelism; 1: none).
-        context_parallel_size: Ranks of one node that split each sequence (context parallelism, transformers models
-            only; 1: none): they take the same batch, each computes on ``seq_len / C`` of its tokens.
+        context_parallel_size: Ranks of one node that split each sequence (context parallelism; 1: none): they take
+            the same batch, each computes on ``seq_len / C`` of its tokens.
     """
 
     shard_size: Literal["node", "world"] | int = "node"

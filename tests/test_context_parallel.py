@@ -3,7 +3,8 @@
 A tiny transformers Llama and Qwen3-MoE on 2 simulated nodes x 2 ranks with ``context_parallel_size=2``, sequences
 packed with two documents each (position ids restarting inside the sequence) and unlabelled tokens (-100): three
 AdamW steps against one process running the whole sequences through transformers' own packed-sequence masking, by
-the suite's noise rule, the first step's gradients too.
+the suite's noise rule, the first step's gradients too. litgpt's Llama the same with one document per sequence (it
+takes no position ids).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.helpers import moe
 from tests.helpers.launch import launch
 from tests.helpers.parity import Trained, beyond_noise, distance, gradient_distance, sampler_rows
-from tests.helpers.training import SEQ, batch, build, full_state, make_fabric
+from tests.helpers.training import SEQ, batch, build, full_state, layer_class, litgpt_config, make_fabric
 
 LEARNING_RATE = 1e-2
 MICRO_BATCH = 2
@@ -43,6 +44,13 @@ def packed(rows: int, documents: int = 2) -> tuple[torch.Tensor, torch.Tensor, t
     return inputs, labels, positions.clone()
 
 
+def _logits(model: torch.nn.Module, kind: str, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    if kind == "litgpt":  # no position ids: one document per sequence, the rank's positions known from its place
+        return model(inputs)
+    # no cache: transformers builds the packed-document mask only without one (masking_utils)
+    return model(inputs, position_ids=positions, use_cache=False).logits
+
+
 def _mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
@@ -57,8 +65,7 @@ def _one_process(kind: str, data: tuple, micro_batches: list) -> tuple[Trained, 
     for step in range(STEPS):
         step_loss = 0.0
         for rows in micro_batches:
-            # no cache: transformers builds the packed-document mask only without one (masking_utils)
-            logits = model(inputs[rows], position_ids=positions[rows], use_cache=False).logits
+            logits = _logits(model, kind, inputs[rows], positions[rows])
             loss = _mean_loss(logits, labels[rows]) / len(micro_batches)
             loss.backward()
             step_loss += loss.item()
@@ -82,7 +89,7 @@ def _train(fabric: Any, kind: str, data: tuple) -> tuple[Trained, dict]:
         (inputs, labels, positions), *rest = list(loader)
         assert not rest
         inputs, labels, positions = strategy.shard_sequence(inputs, labels, position_ids=positions)
-        loss = strategy.cross_entropy(model(inputs, position_ids=positions).logits, labels)
+        loss = strategy.cross_entropy(_logits(model, kind, inputs, positions), labels)
         fabric.backward(loss)
         if step == 0:
             gradients = {
@@ -103,7 +110,7 @@ VARIANTS = {
 
 
 def train(num_nodes: int, devices: int, kind: str, documents: int) -> dict[str, Any]:
-    layers = {type(_model(kind).model.layers[0])}
+    layers = {layer_class(kind) if kind == "litgpt" else type(_model(kind).model.layers[0])}
     fabrics = {
         label: make_fabric(num_nodes, devices, activation_checkpointing=layers, **options)
         for label, options in VARIANTS.items()
@@ -127,9 +134,10 @@ def train(num_nodes: int, devices: int, kind: str, documents: int) -> dict[str, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("kind", "documents"), [("hf", 2), ("hf", 1), ("qwen3_moe", 2)])
+@pytest.mark.parametrize(("kind", "documents"), [("hf", 2), ("hf", 1), ("qwen3_moe", 2), ("litgpt", 1)])
 def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind, documents):
     # 2 documents: the mask from global indices and documents; 1: each chunk causal bottom-right, no mask made
+    # litgpt: its attention class swapped, RoPE at the rank's positions from its place in the context group
     launched = launch("tests.test_context_parallel:train", {"kind": kind, "documents": documents}, timeout=240)
     for rank, facts in enumerate(launched.check().values):
         assert facts["replicas"] == 2  # 4 ranks, context groups of 2: two data-parallel ranks
@@ -154,12 +162,25 @@ def test_shard_sequence_keeps_chunks_i_and_2c_minus_1_minus_i_and_refuses_an_une
 
 def misuse(num_nodes: int, devices: int) -> dict[str, str]:
     """What a rank says to each misuse under context_parallel_size=2."""
+    from litgpt.model import GPT
+
     fabric = make_fabric(num_nodes, devices, context_parallel_size=2)
     said = {}
+    config = litgpt_config()
+    config.attention_logit_softcapping = 50.0
     try:
-        fabric.setup_module(build("litgpt"))
+        fabric.setup_module(GPT(config))
     except ValueError as error:
-        said["litgpt"] = str(error)
+        said["litgpt softcapping"] = str(error)
+    litgpt = fabric.setup_module(build("litgpt"))
+    for label, inputs in {
+        "litgpt too long": batch(2)[0],  # 16 tokens a rank: a sequence of 32, the model's max_seq_length 16
+        "litgpt kv cache": fabric.strategy.shard_sequence(batch(2)[0])[0],
+    }.items():
+        try:
+            litgpt(inputs, input_pos=torch.arange(inputs.shape[1])) if "cache" in label else litgpt(inputs)
+        except ValueError as error:
+            said[label] = str(error)
     model = fabric.setup_module(build("hf"))
     inputs, labels, positions = fabric.strategy.shard_sequence(*batch(2))
     for label, kwargs in {
@@ -179,7 +200,9 @@ def misuse(num_nodes: int, devices: int) -> dict[str, str]:
 @pytest.mark.timeout(120)
 def test_misuse_is_refused_saying_what_to_do():
     for said in launch("tests.test_context_parallel:misuse", timeout=90).check().values:
-        assert "litgpt" in said and "GPT is not a transformers model" in said["litgpt"], said
+        assert "litgpt's attention with attention_logit_softcapping=50.0" in said["litgpt softcapping"], said
+        assert "a sequence of 32, longer than the model's max_seq_length (16)" in said["litgpt too long"], said
+        assert "trains without its KV cache" in said["litgpt kv cache"], said
         assert "pass the model the position ids of this rank's tokens" in said["no position ids"], said
         assert "mark padding with labels -100, instead of attention_mask" in said["padding mask"], said
 

@@ -364,12 +364,14 @@ def _finetune_losses(checkpoint_dir: Path, out_dir: Path, num_nodes: int, device
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * 200 + 60)
-def test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run(tiny_models, tmp_path):
+@pytest.mark.parametrize("source", [0, 1], ids=["transformers", "litgpt"])
+def test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run(tiny_models, tmp_path, source):
     """#42: --parallel.context_parallel_size 2 on 2 nodes x 2 ranks (2 data-parallel ranks, each sequence split over
     2) against 1 node x 2 ranks without it (the same 2 data-parallel ranks, so the same data): the training and
-    validation losses and the export's probe logits are the same up to summation order."""
-    split = _finetune_losses(tiny_models[0], tmp_path / "cp2", 2, 2, context_parallel_size=2)
-    whole = _finetune_losses(tiny_models[0], tmp_path / "cp1", 1, 2)
+    validation losses and the export's probe logits are the same up to summation order; from a transformers
+    directory and from a litgpt one (no position ids: one document per window)."""
+    split = _finetune_losses(tiny_models[source], tmp_path / "cp2", 2, 2, context_parallel_size=2)
+    whole = _finetune_losses(tiny_models[source], tmp_path / "cp1", 1, 2)
     assert "mesh (replicate, data_shard, context) = (2, 1, 2)" in split["stdout"], split["stdout"][-3000:]
     # printed to 4 decimals: one unit of the last digit for rounding at the print
     assert max(abs(a - b) for a, b in zip(split["train"], whole["train"], strict=True)) <= 1.5e-4, (split, whole)

@@ -4,7 +4,8 @@ With ``context_parallel_size=C`` the ``C`` ranks of a context group take the sam
 ``T / C`` of its tokens (:func:`.sequence.shard_sequence`, head-tail chunks), so each rank's activations are those of
 ``T / C`` tokens. Everything but attention is per token; attention gathers the whole sequence's keys and values
 (:mod:`.attention`). transformers models run it through their own attention registry (``AttentionInterface``): no
-model code changes. The loss of a rank is its tokens' share of the sequence's mean (:func:`cross_entropy`); FSDP then
+model code changes; litgpt's ``GPT`` through its attention classes and RoPE tables (:mod:`.litgpt`, one document
+per sequence). The loss of a rank is its tokens' share of the sequence's mean (:func:`cross_entropy`); FSDP then
 divides gradients by the data-parallel ranks only (``parallelize.divide_gradients_by_data_parallel_ranks``), so a
 run at ``C`` trains as the unsplit run. Parameters are sharded over ``shard`` as without it: checkpoints are unchanged.
 """
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fabric_hsdp.context_parallel.attention import NAME, context_parallel_attention
+from fabric_hsdp.context_parallel.litgpt import apply_to_litgpt, is_litgpt_model
 from fabric_hsdp.logs import info_on_rank_zero
 from fabric_hsdp.versions import all_reduce
 
@@ -29,21 +31,28 @@ _logger = logging.getLogger(__name__)
 
 
 def apply_context_parallel(module: nn.Module, context_mesh: DeviceMesh) -> list[str]:
-    """Route every attention of the transformers model ``module`` through context-parallel attention over
-    ``context_mesh``; return the attention modules' names.
+    """Route every attention of ``module`` through context-parallel attention over ``context_mesh``; return the
+    attention modules' names. A transformers model through its attention registry (packed documents read from the
+    position ids, which every forward must pass); litgpt's ``GPT`` through :mod:`.litgpt` (one document per
+    sequence, no position ids).
 
     Raises:
-        ValueError: ``module`` is not a transformers model (litgpt's ``GPT`` and others have no attention registry).
+        ValueError: ``module`` is neither a transformers model nor litgpt's ``GPT``, or a litgpt config this does
+            not split (:func:`.litgpt.apply_to_litgpt`).
     """
-    from transformers import AttentionInterface
-
     size = context_mesh.size()
+    if is_litgpt_model(module):
+        attentions = apply_to_litgpt(module, context_mesh.get_group())
+        info_on_rank_zero(_logger, "context parallelism (%d): %d litgpt attention modules", size, len(attentions))
+        return attentions
     if not hasattr(module, "set_attn_implementation"):
         raise ValueError(
             f"HybridFSDPStrategy(context_parallel_size={size}) splits attention through transformers' attention"
-            f" registry, and {type(module).__name__} is not a transformers model. Use a transformers model"
-            " (AutoModelForCausalLM), or context_parallel_size=1."
+            f" registry or litgpt's GPT, and {type(module).__name__} is neither. Use a transformers model"
+            " (AutoModelForCausalLM) or litgpt's GPT, or context_parallel_size=1."
         )
+    from transformers import AttentionInterface
+
     AttentionInterface.register(NAME, context_parallel_attention)
     module.set_attn_implementation(NAME)
     group = context_mesh.get_group()

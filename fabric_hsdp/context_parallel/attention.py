@@ -39,20 +39,31 @@ def context_parallel_attention(
 
     group: dist.ProcessGroup = module.context_group
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)
-    values = all_gather_tensor_autograd(value.contiguous(), 2, group)
+    keys, values, key_index = gather_keys_values(key, value, group)
     tokens, device = query.shape[2], query.device
-    key_index = torch.cat([token_index(tokens, other, size, device) for other in range(size)])
     documents = _documents(all_gather_tensor(position_ids.contiguous(), 1, group), key_index)
     window = getattr(module, "sliding_window", None)
     kwargs.pop("is_causal", None)
     if documents is None and not window:
-        return _causal(query, keys, values, key_index, rank, size, kwargs.get("scaling"), kwargs.get("dropout", 0.0))
+        scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
+        return causal_attention(query, keys, values, key_index, rank, size, scaling, dropout), None
     mask = allowed_keys(token_index(tokens, rank, size, device), key_index, documents, window)
     return sdpa_attention_forward(module, query, keys, values, mask, is_causal=False, **kwargs)
 
 
-def _causal(
+def gather_keys_values(
+    key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys and values ``[batch, heads, tokens, head_dim]`` of the whole sequence, all-gathered over the context
+    group ``group`` in rank order (backward reduce-scatters their gradients), and each gathered token's index in it."""
+    size = dist.get_world_size(group)
+    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)
+    values = all_gather_tensor_autograd(value.contiguous(), 2, group)
+    tokens, device = key.shape[2], key.device
+    return keys, values, torch.cat([token_index(tokens, other, size, device) for other in range(size)])
+
+
+def causal_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -61,10 +72,11 @@ def _causal(
     size: int,
     scaling: float | None,
     dropout: float,
-) -> tuple[torch.Tensor, None]:
+) -> torch.Tensor:
     """One document per sequence, no window: each of this rank's two chunks attends to the keys up to its own end,
     causal aligned bottom-right (torch's ``causal_lower_right``: no mask is made where the kernel has the pattern,
-    the CUDA memory-efficient one). Output ``[batch, tokens, heads, head_dim]``, as transformers' SDPA returns it."""
+    the CUDA memory-efficient one). Output ``[batch, tokens, heads, head_dim]``, as transformers' SDPA and litgpt's
+    ``scaled_dot_product_attention`` return it."""
     order = torch.argsort(key_index)  # the gathered keys in sequence order
     keys, values = keys.index_select(2, order), values.index_select(2, order)
     chunk = query.shape[2] // 2
@@ -82,7 +94,7 @@ def _causal(
                 enable_gqa=query.shape[1] != keys.shape[1],
             )
         )
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 def allowed_keys(

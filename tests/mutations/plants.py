@@ -2204,4 +2204,15 @@ PLANTS: dict[str, Plant] = {
         (("            mean_loss *= parallel.context_parallel_size\n", ""),),
         ("tests/test_examples.py::test_finetune_with_context_parallelism_reports_the_losses_of_the_unsplit_run",),
     ),
+    "42l1": Plant(
+        "context parallelism for litgpt's GPT: RoPE at the rank's positions in the whole sequence (#42)",
+        "each rank's RoPE rows are those of positions 0 .. T/C - 1, as litgpt's GPT numbers its local tokens",
+        (
+            (
+                "        module.cos, module.sin = module.cos[positions], module.sin[positions]\n",
+                "        module.cos, module.sin = module.cos[:tokens], module.sin[:tokens]\n",
+            ),
+        ),
+        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process[litgpt-1]",),
+    ),
 }
