@@ -286,8 +286,8 @@ PLANTS: dict[str, Plant] = {
         (
             ("        atexit.register(self._end_of_process)\n", ""),
             (
-                "            mesh=lambda: self._layout.mesh_if_built,\n        )\n",
-                "            mesh=lambda: self._layout.mesh_if_built,\n        )\n"
+                "            mesh=lambda: self._run_topology.mesh_if_built,\n        )\n",
+                "            mesh=lambda: self._run_topology.mesh_if_built,\n        )\n"
                 "        atexit.register(self._end_of_process)\n",
             ),
         ),
