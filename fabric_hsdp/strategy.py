@@ -155,7 +155,7 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
             compile=compile,
             float8=float8,
         )
-        self._layout = RunTopology(
+        self._run_topology = RunTopology(
             shard_size, tensor_parallel_size, memory_budget, workload, expert_parallel_size, context_parallel_size
         )
         self._checkpoints = Checkpointer(
@@ -189,22 +189,22 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
     def parallel_mesh(self) -> ParallelMesh:
         """The mesh and its sub-meshes by purpose (``fsdp``, ``tensor``, ``replicate``); exists once the processes
         are set up."""
-        return self._layout.mesh
+        return self._run_topology.mesh
 
     @property
     def topology(self) -> Topology:
         """Degrees of the mesh (``shard_size``, ``replicate_size``, nodes, ranks per node) and this rank's place."""
-        return self._layout.topology
+        return self._run_topology.topology
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._layout.sampler_kwargs(self.world_size, self.global_rank)
+        return self._run_topology.sampler_kwargs(self.world_size, self.global_rank)
 
     @override
     def setup_environment(self) -> None:
         check_launch(self._launched_by, self.environment, self.num_nodes, self.num_processes, self.local_rank)
-        self._layout.check_device(self.root_device.type)
+        self._run_topology.check_device(self.root_device.type)
         super().setup_environment()  # the accelerator selects cuda:LOCAL_RANK here, before anything is allocated
         # before the process group exists: a rank that fails while starting (the rank-layout check) must destroy it
         # too, or the interpreter's exit destroys it and can abort ("terminate called without an active exception")
@@ -221,19 +221,21 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         )
         failures.install()  # again, above the hook init_process_group installed (it prefixes every line)
         backend, ranks_per_node = self._process_group_backend, self.num_processes
-        self._layout.set_up(self.num_nodes, ranks_per_node, self.world_size, self.root_device, backend)
+        self._run_topology.set_up(self.num_nodes, ranks_per_node, self.world_size, self.root_device, backend)
         self._checkpoints.set_up(
             self._timeout,
             broadcast=self.broadcast,
             local_rank=self.local_rank,
             ranks_per_node=ranks_per_node,
-            mesh=lambda: self._layout.mesh_if_built,
+            mesh=lambda: self._run_topology.mesh_if_built,
         )
 
     @override
     def setup_module(self, module: Module) -> Module:
-        if not self._layout.resolved:  # shard_size="auto": plan the model (every rank, the same choice)
-            self._layout.choose(module, self._levers.tensor_parallel_plan, self.planner_training(self._layout.workload))
+        if not self._run_topology.resolved:  # shard_size="auto": plan the model (every rank, the same choice)
+            self._run_topology.choose(
+                module, self._levers.tensor_parallel_plan, self.planner_training(self._run_topology.workload)
+            )
         set_up_module(
             module,
             self.parallel_mesh,

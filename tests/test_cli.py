@@ -232,8 +232,8 @@ def test_unwritable_destination_names_it_not_the_pending_path(
         )
     from fabric_hsdp.checkpoint.core import commit
 
-    def refuse(staged, path):
-        raise OSError(errno.EROFS, "Read-only file system", str(staged))
+    def refuse(pending, path):
+        raise OSError(errno.EROFS, "Read-only file system", str(pending))
 
     monkeypatch.setattr(commit, "commit", refuse)  # everything is written; the final rename is refused
     code, _, err = run(capsys, "convert", checkpoint, tmp_path / dest_name, *extra)

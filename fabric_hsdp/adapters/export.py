@@ -63,9 +63,9 @@ def export_peft_adapter(model: nn.Module, directory: str | Path, overwrite: bool
     written = None
     with fail_together(f"exporting the peft adapter to '{directory}'"):
         if _is_rank_zero():
-            with atomic_output(Path(directory), overwrite=overwrite) as staged:
+            with atomic_output(Path(directory), overwrite=overwrite) as output:
                 # peft's own writer: keys as peft names them (the adapter name dropped), its config beside them
-                module.save_pretrained(str(staged), state_dict=adapters)
+                module.save_pretrained(str(output), state_dict=adapters)
             written = Path(directory)
     return written
 
@@ -80,8 +80,8 @@ def export_litgpt_adapter(model: nn.Module, path: str | Path, overwrite: bool = 
     written = None
     with fail_together(f"exporting the litgpt adapter to '{path}'"):
         if _is_rank_zero():
-            with atomic_output(Path(path), overwrite=overwrite) as staged:
-                torch.save({"model": adapters}, staged)
+            with atomic_output(Path(path), overwrite=overwrite) as output:
+                torch.save({"model": adapters}, output)
             written = Path(path)
     return written
 

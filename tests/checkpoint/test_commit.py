@@ -36,20 +36,20 @@ def test_commit_replaces_the_previous_checkpoint(tmp_path, monkeypatch, exchange
 def test_fallback_puts_the_previous_checkpoint_back_when_the_second_rename_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(commit, "_exchange", lambda first, second: False)
     target = make_dir(tmp_path / "ckpt", "old")
-    staged = make_dir(commit.pending_path(target), "new")
+    pending = make_dir(commit.pending_path(target), "new")
     rename = os.rename
 
     def failing_rename(source, dest):
-        if os.fspath(source) == os.fspath(staged):
+        if os.fspath(source) == os.fspath(pending):
             raise OSError(28, "No space left on device")
         rename(source, dest)
 
     monkeypatch.setattr(commit.os, "rename", failing_rename)
     with pytest.raises(OSError, match="No space left"):
-        commit.commit(staged, target)
+        commit.commit(pending, target)
     assert content(target) == "old"
-    assert hidden(tmp_path) == [staged.name]  # rank 0 discards it next
-    commit.discard(staged)
+    assert hidden(tmp_path) == [pending.name]  # rank 0 discards it next
+    commit.discard(pending)
     assert hidden(tmp_path) == []
 
 
@@ -72,6 +72,6 @@ def test_leftovers_are_removed_and_a_parked_only_copy_is_restored(tmp_path):
 def test_discard_removes_only_its_pending_directory(tmp_path):
     target = tmp_path / "ckpt"
     parked = make_dir(tmp_path / ".ckpt.previous-0123456789ab", "old")
-    staged = make_dir(commit.pending_path(target), "new")
-    commit.discard(staged)
-    assert not staged.exists() and content(parked) == "old"
+    pending = make_dir(commit.pending_path(target), "new")
+    commit.discard(pending)
+    assert not pending.exists() and content(parked) == "old"

@@ -526,8 +526,8 @@ def _arm_kill(point: str, marker: Path) -> None:
             die(point)
         fsync(fd)
 
-    def hooked_commit(staged: Path, path: Path) -> None:
-        commit_swap(staged, path)
+    def hooked_commit(pending: Path, path: Path) -> None:
+        commit_swap(pending, path)
         if point == "after_commit":
             die(point)
 
@@ -664,8 +664,8 @@ def _save_where_rank0_cannot_write(fabric: Any, model: Any, optimizer: Any, out:
     for case, target in [("parent_is_a_file", out / "a_file" / "ckpt"), ("commit_refused", path)]:
         if case == "commit_refused" and fabric.global_rank == 0:
 
-            def refuse(staged: Path, path: Path) -> None:
-                raise OSError(errno.EROFS, "Read-only file system", str(staged))
+            def refuse(pending: Path, path: Path) -> None:
+                raise OSError(errno.EROFS, "Read-only file system", str(pending))
 
             commit.commit = refuse
         try:

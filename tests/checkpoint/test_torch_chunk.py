@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from fabric_hsdp.checkpoint.formats.torch_chunk import stored_tensor
+from fabric_hsdp.checkpoint.formats.torch_chunk import chunk_record
 
 TENSORS = {
     "contiguous": lambda: torch.randn(7, 5),
@@ -35,7 +35,7 @@ def test_layout_matches_torch_load(tmp_path, name):
     file = tmp_path / "chunk.distcp"
     file.write_bytes(data)
     with open(file, "rb") as stream:
-        layout = stored_tensor(stream.fileno(), padding, len(data) - padding)
+        layout = chunk_record(stream.fileno(), padding, len(data) - padding)
         stream.seek(padding)
         stored = torch.load(io.BytesIO(stream.read()), map_location="meta", weights_only=True)
     assert layout is not None
@@ -58,7 +58,7 @@ def test_other_archives_are_left_to_torch_load(tmp_path, obj):
     file = tmp_path / "chunk.distcp"
     file.write_bytes(data)
     with open(file, "rb") as stream:
-        assert stored_tensor(stream.fileno(), 10, len(data) - 10) is None
+        assert chunk_record(stream.fileno(), 10, len(data) - 10) is None
 
 
 def test_damaged_directory_is_left_to_torch_load(tmp_path):
@@ -67,4 +67,4 @@ def test_damaged_directory_is_left_to_torch_load(tmp_path):
     file = tmp_path / "chunk.distcp"
     file.write_bytes(bytes(data))
     with open(file, "rb") as stream:
-        assert stored_tensor(stream.fileno(), 0, len(data)) is None
+        assert chunk_record(stream.fileno(), 0, len(data)) is None

@@ -42,8 +42,8 @@ PLANTS: dict[str, Plant] = {
         "every save over an existing checkpoint raises (the old checkpoint stays: 'old XOR new' held before)",
         (
             (
-                "        self.staged = Path(broadcast(pending_path(path)))\n",
-                "        self.staged = Path(broadcast(pending_path(path)))\n"
+                "        self.directory = Path(broadcast(pending_path(path)))\n",
+                "        self.directory = Path(broadcast(pending_path(path)))\n"
                 "        if path.exists():\n"
                 "            raise OSError('planted: saving over a checkpoint fails')\n",
             ),
@@ -286,8 +286,8 @@ PLANTS: dict[str, Plant] = {
         (
             ("        atexit.register(self._end_of_process)\n", ""),
             (
-                "            mesh=lambda: self._layout.mesh_if_built,\n        )\n",
-                "            mesh=lambda: self._layout.mesh_if_built,\n        )\n"
+                "            mesh=lambda: self._run_topology.mesh_if_built,\n        )\n",
+                "            mesh=lambda: self._run_topology.mesh_if_built,\n        )\n"
                 "        atexit.register(self._end_of_process)\n",
             ),
         ),
@@ -836,8 +836,8 @@ PLANTS: dict[str, Plant] = {
         "the adapters handed to peft's save_pretrained without the base_model.model. prefix",
         (
             (
-                "module.save_pretrained(str(staged), state_dict=adapters)",
-                "module.save_pretrained(str(staged), state_dict={k.removeprefix('base_model.model.'): v for k, v in"
+                "module.save_pretrained(str(output), state_dict=adapters)",
+                "module.save_pretrained(str(output), state_dict={k.removeprefix('base_model.model.'): v for k, v in"
                 " adapters.items()})",
             ),
         ),

@@ -97,16 +97,16 @@ def check_shared(marker: Path, path: Path, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def discard(staged: Path) -> None:
+def discard(pending: Path) -> None:
     """Delete the pending directory of a save that failed (and nothing else: a parked checkpoint stays)."""
-    remove_path(staged)
+    remove_path(pending)
 
 
-def commit_and_log(staged: Path, path: Path, started: float, verb: str) -> None:
-    """Rank 0, once every rank has written: :func:`commit` ``staged`` to ``path`` (an ``OSError`` becomes a
+def commit_and_log(pending: Path, path: Path, started: float, verb: str) -> None:
+    """Rank 0, once every rank has written: :func:`commit` ``pending`` to ``path`` (an ``OSError`` becomes a
     ``SaveError`` naming ``path``), then log the save's size and throughput since ``started`` (``time.monotonic()``)."""
     try:
-        commit(staged, path)
+        commit(pending, path)
     except OSError as error:
         raise write_error(path, error) from None
     log_throughput(verb, path, time.monotonic() - started)
@@ -123,7 +123,7 @@ class PendingSave:
     def __init__(self, path: Path, broadcast: Callable[[Any], Any], rank: int) -> None:
         self.path = path
         self.rank = rank
-        self.staged = Path(broadcast(pending_path(path)))
+        self.directory = Path(broadcast(pending_path(path)))
         self.started = time.monotonic()
 
     def create(self, write_marker: Callable[[Path], None]) -> None:
@@ -134,47 +134,47 @@ class PendingSave:
             return
         try:
             remove_leftovers(self.path)
-            self.staged.mkdir(parents=True)
+            self.directory.mkdir(parents=True)
         except OSError as error:
             raise write_error(self.path, error, creating=True) from None
         try:
-            write_marker(self.staged)
+            write_marker(self.directory)
         except OSError as error:
-            discard(self.staged)
+            discard(self.directory)
             raise write_error(self.path, error) from None
 
     def check_shared(self, marker: str) -> None:
         """Raise unless this rank sees ``marker`` that rank 0 wrote (see :func:`check_shared`)."""
-        check_shared(self.staged / marker, self.path)
+        check_shared(self.directory / marker, self.path)
 
     def commit(self, verb: str) -> None:
         """Rank 0, once every rank has written: the atomic commit, then the save's size and throughput logged."""
         if self.rank == 0:
-            commit_and_log(self.staged, self.path, self.started, verb)
+            commit_and_log(self.directory, self.path, self.started, verb)
 
     def discard(self) -> None:
         """Rank 0: delete the pending directory of a save that failed."""
         if self.rank == 0:
-            discard(self.staged)
+            discard(self.directory)
 
 
-def commit(staged: Path, path: Path) -> None:
-    """Put ``staged`` at ``path`` atomically and delete what was there before. Call on one rank, after a barrier.
+def commit(pending: Path, path: Path) -> None:
+    """Put ``pending`` at ``path`` atomically and delete what was there before. Call on one rank, after a barrier.
 
     The files inside were already synced by the ranks that wrote them (DCP's ``sync_files``); this syncs the
     directory entries so the rename cannot be persisted before them.
     """
-    if staged.is_dir():
-        fsync_path(staged)
+    if pending.is_dir():
+        fsync_path(pending)
     if not os.path.lexists(path):
-        os.rename(staged, path)
-    elif _exchange(staged, path):
-        remove_path(staged)  # now holds the previous checkpoint
+        os.rename(pending, path)
+    elif _exchange(pending, path):
+        remove_path(pending)  # now holds the previous checkpoint
     else:
         parked = path.parent / f".{path.name}{_PREVIOUS}{uuid.uuid4().hex[:12]}"
         os.rename(path, parked)
         try:
-            os.rename(staged, path)
+            os.rename(pending, path)
         except BaseException:
             os.rename(parked, path)  # the previous checkpoint back where it was
             raise
@@ -350,8 +350,8 @@ def atomic_output(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[
         try:
             yield pending / dest.name
         except OSError as error:
-            staged = error.filename is not None and str(error.filename).startswith(str(pending))
-            if (error.filename is None or staged) and error.errno is not None:  # e.g. a full disk: name the output
+            inside = error.filename is not None and str(error.filename).startswith(str(pending))
+            if (error.filename is None or inside) and error.errno is not None:  # e.g. a full disk: name the output
                 raise type(error)(error.errno, error.strerror, str(dest)) from error
             raise
         result = pending / dest.name

@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from fabric_hsdp.checkpoint.core import fileio, watchdog
 from fabric_hsdp.checkpoint.core.box import Box
-from fabric_hsdp.checkpoint.formats.torch_chunk import StoredTensor, stored_tensor
+from fabric_hsdp.checkpoint.formats.torch_chunk import ChunkRecord, chunk_record
 from fabric_hsdp.errors import CheckpointError
 from fabric_hsdp.versions import checkpoint_offset, create_file_view, load_on_meta, stored_bytes
 
@@ -83,28 +83,28 @@ class OneCopyReader(FileSystemReader):
 
     def _read_item(self, stream: io.BufferedReader, file_name: str, item: Any, planner: LoadPlanner) -> None:
         fd = stream.fileno()
-        stored = _stored_tensor(stream, file_name, item, self.storage_data[item.storage_index])
+        record = _chunk_record(stream, file_name, item, self.storage_data[item.storage_index])
         target = planner.resolve_tensor(item).detach()
-        offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(stored.shape)
-        itemsize = stored.dtype.itemsize
-        if stored.contiguous:  # as DCP writes them: only the wanted box is read
-            base = stored.start + stored.storage_offset * itemsize
+        offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(record.shape)
+        itemsize = record.dtype.itemsize
+        if record.contiguous:  # as DCP writes them: only the wanted box is read
+            base = record.start + record.storage_offset * itemsize
             rows = offsets[1:] == [0] * len(offsets[1:]) and lengths[1:] == shape[1:]  # one contiguous run
-            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored.dtype
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == record.dtype
             if rows and direct:
                 first = offsets[0] * math.prod(shape[1:]) if shape else 0
                 fileio.readinto(fd, target, base + first * itemsize, file_name=file_name)
             else:  # another box, device or dtype: through a CPU buffer of the box
                 box = Box(tuple(offsets), tuple(lengths))
-                target.copy_(fileio.read_box(fd, base, shape, stored.dtype, box, file_name=file_name))
+                target.copy_(fileio.read_box(fd, base, shape, record.dtype, box, file_name=file_name))
         else:
-            raw = fileio.read_tensor(fd, stored.start, [stored.storage_bytes], torch.uint8, file_name=file_name)
-            chunk = raw.view(stored.dtype).as_strided(stored.shape, stored.stride, stored.storage_offset)
+            raw = fileio.read_tensor(fd, record.start, [record.storage_bytes], torch.uint8, file_name=file_name)
+            chunk = raw.view(record.dtype).as_strided(record.shape, record.stride, record.storage_offset)
             target.copy_(narrow(chunk, item.storage_offsets, item.lengths))
         planner.commit_tensor(item, target)
 
 
-def _stored_tensor(stream: io.BufferedReader, file_name: str, item: Any, info: Any) -> StoredTensor:
+def _chunk_record(stream: io.BufferedReader, file_name: str, item: Any, info: Any) -> ChunkRecord:
     """Where the chunk's bytes start and how its tensor views them: parsed directly in the plain form DCP writes
     (:mod:`~fabric_hsdp.checkpoint.formats.torch_chunk`), else by a meta-load of the chunk's archive. ``info`` is
     DCP's record of where the item lies (:func:`~fabric_hsdp.versions.dcp_storage_info`)."""
@@ -112,7 +112,7 @@ def _stored_tensor(stream: io.BufferedReader, file_name: str, item: Any, info: A
     try:
         if info.offset + info.length > size:
             raise RuntimeError(f"the file has {size} bytes")
-        layout = stored_tensor(stream.fileno(), info.offset, info.length)
+        layout = chunk_record(stream.fileno(), info.offset, info.length)
         if layout is not None:
             return layout
         view = create_file_view(stream, info.offset, info.length)
@@ -123,7 +123,7 @@ def _stored_tensor(stream: io.BufferedReader, file_name: str, item: Any, info: A
             f" {info.offset}..{info.offset + info.length} cannot be read ({str(error).splitlines()[0]})"
         ) from None
     storage = stored.untyped_storage()
-    return StoredTensor(
+    return ChunkRecord(
         start=info.offset + checkpoint_offset(storage),
         storage_bytes=stored_bytes(stored),
         dtype=stored.dtype,

@@ -3,7 +3,7 @@
 DCP stores each tensor chunk as a small ``torch.save`` archive inside a ``.distcp`` file. To read only the bytes a
 rank needs, a reader must know where the chunk's storage starts and how the tensor views it.
 ``torch.load(map_location="meta")`` says so but costs about a millisecond per chunk (a Python zip reader, the
-weights-only unpickler): a second per thousand chunks, a large part of a cold load. :func:`stored_tensor` reads the
+weights-only unpickler): a second per thousand chunks, a large part of a cold load. :func:`chunk_record` reads the
 archive's end-of-directory record and central directory (one positioned read at the chunk's end), the local headers
 and ``data.pkl`` (one at its start) and unpickles ``data.pkl`` with an allow-list that only records the layout.
 
@@ -35,8 +35,9 @@ _ZIP64 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
-class StoredTensor:
-    """A stored tensor: its storage's first byte in the file, and the view of the storage that is the tensor."""
+class ChunkRecord:
+    """Where a chunk's tensor lies in its file: its storage's first byte, and the view of the storage that is the
+    tensor."""
 
     start: int
     storage_bytes: int
@@ -55,7 +56,7 @@ class StoredTensor:
         return True
 
 
-def stored_tensor(fd: int, offset: int, length: int) -> StoredTensor | None:
+def chunk_record(fd: int, offset: int, length: int) -> ChunkRecord | None:
     """The layout of the one-tensor ``torch.save`` archive at bytes ``offset..offset + length`` of ``fd``, or
     ``None`` when it is not in the plain form (read it with ``torch.load`` then)."""
     if length < _END.size:
@@ -83,7 +84,7 @@ def stored_tensor(fd: int, offset: int, length: int) -> StoredTensor | None:
     start = _data_start(head, data[0]) if data is not None else None
     if start is None or data[1] != numel * dtype.itemsize:
         return None
-    return StoredTensor(offset + start, data[1], dtype, shape, stride, storage_offset)
+    return ChunkRecord(offset + start, data[1], dtype, shape, stride, storage_offset)
 
 
 def _directory(tail: bytes, start: int, size: int, count: int) -> dict[str, tuple[int, int]] | None:
@@ -148,7 +149,7 @@ def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any, *
     return (*storage, storage_offset, tuple(size), tuple(stride))
 
 
-class _StoredTensorUnpickler(pickle.Unpickler):
+class _ChunkRecordUnpickler(pickle.Unpickler):
     """Unpickles a ``torch.save``'d tensor's ``data.pkl`` into its layout; any other object is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
@@ -172,7 +173,7 @@ class _StoredTensorUnpickler(pickle.Unpickler):
 
 def _unpickle_layout(pickled: bytes) -> tuple | None:
     try:
-        layout = _StoredTensorUnpickler(io.BytesIO(pickled)).load()
+        layout = _ChunkRecordUnpickler(io.BytesIO(pickled)).load()
     except (_NotPlain, pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError):
         return None
     return layout if isinstance(layout, tuple) and len(layout) == 6 else None

@@ -140,7 +140,7 @@ def start_save(
     """
     import torch.distributed.checkpoint as dcp
 
-    writer = _StagedWriter(save.staged, before_write=ready)
+    writer = _StagedWriter(save.directory, before_write=ready)
     future = dcp.async_save(copies, storage_writer=writer, planner=SavePlanner(), process_group=group)
     return BackgroundSave(future, save, watch)
 

@@ -67,7 +67,7 @@ def save_sharded(
             background_saves.start(tensors, save)
             return
         with fail_together(f"saving checkpoint '{path}'"):
-            _save_dcp(tensors, save.staged, path)
+            _save_dcp(tensors, save.directory, path)
         with fail_together(f"committing checkpoint '{path}'"):
             save.commit("saved")
     except BaseException:
@@ -75,12 +75,12 @@ def save_sharded(
         raise
 
 
-def _save_dcp(tensors: dict[str, Any], staged: Path, path: Path) -> None:
+def _save_dcp(tensors: dict[str, Any], pending: Path, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        dcp.save(tensors, storage_writer=DirectWriter(staged), planner=SavePlanner())
+        dcp.save(tensors, storage_writer=DirectWriter(pending), planner=SavePlanner())
     except CheckpointException as error:
         raise save_error(error, path) from None
 
