@@ -37,7 +37,13 @@ def context_parallel_attention(
     of this rank's tokens; ``position_ids`` ``[batch, tokens]`` theirs in the whole sequence."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    group: dist.ProcessGroup = module.context_group
+    group: dist.ProcessGroup | None = getattr(module, "context_group", None)
+    if group is None:
+        raise ValueError(
+            f"{type(module).__name__} calls the context-parallel attention but was not recognised as an attention"
+            " module at setup_module (it lacks transformers' `scaling`, `layer_idx` or `config`): its keys would not"
+            " be gathered. Use context_parallel_size=1 for this model."
+        )
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     keys, values, key_index = gather_keys_values(key, value, group)
     tokens, device = query.shape[2], query.device
