@@ -62,7 +62,8 @@ def apply_expert_parallel(module: nn.Module, expert_mesh: DeviceMesh) -> list[tu
 
     Raises:
         ValueError: The model has no experts, keeps them as a list of modules (litgpt's ``LLaMAMoE``), carries LoRA
-            adapters on them, or a layer's experts do not divide by the expert-parallel size.
+            adapters on them, has experts of another forward than transformers' routed one, or a layer's experts do
+            not divide by the expert-parallel size.
     """
     size = expert_mesh.size()
     experts = expert_modules(module)
