@@ -33,27 +33,6 @@ STEPS = 3
 GRADIENT_NOISE_FACTOR, MIN_GRADIENT = 10, 1e-6
 
 
-def _one_process(kind: str, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: list) -> tuple[Trained, dict]:
-    """One process accumulating ``micro_batches`` (lists of rows), clipping and stepping as the ranks do; the trained
-    model and its first step's gradients."""
-    model = moe.build(kind, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    losses, norms, gradients = [], [], {}
-    for step in range(STEPS):
-        step_loss = 0.0
-        for rows in micro_batches:
-            loss = moe.loss_of(model, inputs[rows], targets[rows]) / len(micro_batches)
-            loss.backward()
-            step_loss += loss.item()
-        if step == 0:
-            gradients = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=MAX_NORM).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(step_loss)
-    return Trained(losses, norms, {name: t.detach().clone() for name, t in model.state_dict().items()}), gradients
-
-
 def _gathered_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
@@ -116,8 +95,9 @@ def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
         for rows in [sampler_rows(len(inputs), replicas, rank)]
         for start in range(0, len(rows), MICRO_BATCH)
     ]
-    reference, exact = _one_process(kind, inputs, targets, micro_batches)
-    reversed_order, reversed_gradients = _one_process(kind, inputs, targets, micro_batches[::-1])
+    options = {"steps": STEPS, "learning_rate": LEARNING_RATE, "max_norm": MAX_NORM}
+    reference, exact = moe.train_one_process(kind, inputs, targets, micro_batches, **options)
+    reversed_order, reversed_gradients = moe.train_one_process(kind, inputs, targets, micro_batches[::-1], **options)
     gradient_floor = gradient_distance(reversed_gradients, exact)["value"]
     facts: dict[str, Any] = {"floor": distance(reversed_order, reference), "gradient_floor": gradient_floor}
     for label, fabric in fabrics.items():

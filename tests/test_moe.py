@@ -20,24 +20,6 @@ LEARNING_RATE = 1e-2
 MICRO_BATCH = 2
 
 
-def _one_process(kind: str, inputs: torch.Tensor, targets: torch.Tensor, steps: int, micro_batches: list) -> Trained:
-    """One process accumulating ``micro_batches`` (lists of rows): the mean of per-batch losses, as the ranks compute
-    it when each routes its own batch (the load-balancing loss of a batch is not a sum over its rows)."""
-    model = moe.build(kind, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    losses = []
-    for _ in range(steps):
-        step_loss = 0.0
-        for rows in micro_batches:
-            loss = moe.loss_of(model, inputs[rows], targets[rows]) / len(micro_batches)
-            loss.backward()
-            step_loss += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(step_loss)
-    return Trained(losses, [], {name: t.detach().clone() for name, t in model.state_dict().items()})
-
-
 def train(num_nodes: int, devices: int, kind: str, steps: int = 3) -> dict[str, Any]:
     """Train ``steps`` steps on HSDP with the strategy's default units; distances to one process and the floor."""
     from torch.distributed.fsdp import FSDPModule
@@ -63,8 +45,8 @@ def train(num_nodes: int, devices: int, kind: str, steps: int = 3) -> dict[str, 
                 aux.append(model(rows_in, output_router_logits=True).aux_loss.item())
     state = full_state(model)
     rows = [sampler_rows(len(inputs), replicas, rank) for rank in range(replicas)]
-    reference = _one_process(kind, inputs, targets, steps, rows)
-    reversed_order = _one_process(kind, inputs, targets, steps, rows[::-1])
+    reference, _ = moe.train_one_process(kind, inputs, targets, rows, steps, LEARNING_RATE)
+    reversed_order, _ = moe.train_one_process(kind, inputs, targets, rows[::-1], steps, LEARNING_RATE)
     return {
         "ours": distance(Trained(losses, [], state), reference),
         "floor": distance(reversed_order, reference),

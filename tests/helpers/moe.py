@@ -128,3 +128,37 @@ def loss_of(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> to
         loss = nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
         return loss + model.config.router_aux_loss_coef * out.aux_loss
     return nn.functional.cross_entropy(logits_of(model, inputs).flatten(0, 1), targets.flatten())
+
+
+def train_one_process(
+    kind: str,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    micro_batches: list[list[int]],
+    steps: int,
+    learning_rate: float,
+    max_norm: float | None = None,
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One process accumulating ``micro_batches`` (lists of rows) each step, AdamW, clipping to ``max_norm`` if
+    given: the mean of per-batch losses, as the ranks compute it when each routes its own batch (the load-balancing
+    loss of a batch is not a sum over its rows). The trained model (a ``tests.helpers.parity.Trained``) and its first
+    step's gradients."""
+    from tests.helpers.parity import Trained
+
+    model = build(kind, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    losses, norms, gradients = [], [], {}
+    for step in range(steps):
+        step_loss = 0.0
+        for rows in micro_batches:
+            loss = loss_of(model, inputs[rows], targets[rows]) / len(micro_batches)
+            loss.backward()
+            step_loss += loss.item()
+        if step == 0:
+            gradients = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return Trained(losses, norms, {name: t.detach().clone() for name, t in model.state_dict().items()}), gradients
