@@ -43,9 +43,8 @@ def save_this_rank(
     import torch.distributed.checkpoint as dcp
     from lightning.fabric.wrappers import _unwrap_objects
 
-    from fabric_hsdp.checkpoint.core.dcp_planners import SavePlanner
     from fabric_hsdp.checkpoint.formats.dcp_metadata import META_FILE
-    from fabric_hsdp.checkpoint.training.sharded import save_meta
+    from fabric_hsdp.checkpoint.training.sharded import save_meta, write_shards
     from fabric_hsdp.checkpoint.training.state import CheckpointState
     from fabric_hsdp.models.fused_rows import held_row_order
 
@@ -58,13 +57,12 @@ def save_this_rank(
     with held_row_order():  # as the strategy's save: the checkpoint code maps TP's regrouped rows shard by shard
         tensors = checkpoint.tensors(filter)
     share = _expected_share(tensors, strategy.parallel_mesh)
-    stored, _ = checkpoint.stored(tensors)
     if rank == 0:  # rank 0 writes the plain values beside the shards
         save_meta(checkpoint.plain_values(filter), target / META_FILE)
         share += (target / META_FILE).stat().st_size
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is, on purpose
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(stored, storage_writer=dcp.FileSystemWriter(str(target)), planner=SavePlanner(), no_dist=True)
+        write_shards(checkpoint.stored(tensors)[0], dcp.FileSystemWriter(str(target)), path, no_dist=True)
     (target / ".metadata").unlink(missing_ok=True)  # the coordinator's index of every rank's files: not ours
     files = sorted(file for file in target.iterdir() if file.is_file())
     return SaveRecord(

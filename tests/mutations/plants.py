@@ -153,11 +153,11 @@ PLANTS: dict[str, Plant] = {
         "a sharded load restores AdamW's exp_avg_sq rounded through bf16",
         (
             (
-                "        set_optimizer_state_dict(model, optimizer, targets[key])\n",
-                "        set_optimizer_state_dict(model, optimizer, targets[key])\n"
-                "        for entries in optimizer.state.values():\n"
-                "            if 'exp_avg_sq' in entries:\n"
-                "                entries['exp_avg_sq'].copy_(entries['exp_avg_sq'].bfloat16().float())\n",
+                "            set_optimizer_state_dict(self.model, optimizer, tensors[key])\n",
+                "            set_optimizer_state_dict(self.model, optimizer, tensors[key])\n"
+                "            for entries in optimizer.state.values():\n"
+                "                if 'exp_avg_sq' in entries:\n"
+                "                    entries['exp_avg_sq'].copy_(entries['exp_avg_sq'].bfloat16().float())\n",
             ),
         ),
         ("tests/test_examples.py::test_train_resumes_from_its_sharded_checkpoint_exactly",),
@@ -313,14 +313,16 @@ PLANTS: dict[str, Plant] = {
         (
             (
                 "        with held_row_order(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
+                "            checkpoint = CheckpointState(state)\n"
                 '            if full or self.state_dict_type == "full" or path.suffix == ".safetensors":\n'
-                "                save_full(path, state, filter)  # rank 0 writes; the others wait in its gathers\n"
+                "                save_full(path, checkpoint, filter)  # rank 0 writes; the others wait in its gathers\n"
                 "                return\n",
                 '        if full or self.state_dict_type == "full" or path.suffix == ".safetensors":  # planted\n'
                 "            with held_row_order():\n"
-                "                save_full(path, state, filter)\n"
+                "                save_full(path, CheckpointState(state), filter)\n"
                 "            return\n"
-                "        with held_row_order(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n",
+                "        with held_row_order(), self._watchdog.watch(f\"saving checkpoint '{path}'\"):\n"
+                "            checkpoint = CheckpointState(state)\n",
             ),
         ),
         (
@@ -358,7 +360,7 @@ PLANTS: dict[str, Plant] = {
                 "    log_throughput(verb, path, time.monotonic() - started)\n",
                 "    log_throughput(verb, path, time.monotonic() - started)\n"
                 "    from fabric_hsdp.checkpoint.training.state import apply_filter\n\n"
-                "    apply_filter({}, None)\n",
+                "    apply_filter({}, {})\n",
             ),
         ),
         ("tests/test_callpath.py::test_the_package_flows_go_one_way_down[save]",),
@@ -366,7 +368,7 @@ PLANTS: dict[str, Plant] = {
     "31a": Plant(
         "Fabric's save(filter=) in the one checkpoint state (#31)",
         "the filter is ignored: every entry is saved",
-        (("    if not filter:\n        return entries\n", "    if True:\n        return entries\n"),),
+        (("        _apply_filter(key, filter or {}, value, kept)\n", "        kept[key] = value\n"),),
         ("tests/checkpoint/test_save_filter.py",),
     ),
     "35c": Plant(

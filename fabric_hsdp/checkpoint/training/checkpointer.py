@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities import rank_zero_warn
-from lightning.fabric.utilities.load import _move_state_into
 from torch import nn
 from torch.optim import Optimizer
 
@@ -24,8 +23,8 @@ from fabric_hsdp.checkpoint.core.commit import check_writable
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.core.watchdog import IOWatchdog
 from fabric_hsdp.checkpoint.training.background import BackgroundSaves
-from fabric_hsdp.checkpoint.training.full_gather import save_full
-from fabric_hsdp.checkpoint.training.raw_load import LoadResult, load_into_model, restore_extras, validate_load_mode
+from fabric_hsdp.checkpoint.training.full import restore_extras, save_full
+from fabric_hsdp.checkpoint.training.raw_load import LoadResult, load_into_model, validate_load_mode
 from fabric_hsdp.checkpoint.training.sharded import find_sharded, load_sharded, save_sharded
 from fabric_hsdp.checkpoint.training.state import CheckpointState, Filter
 from fabric_hsdp.models.fused_rows import held_row_order
@@ -95,11 +94,12 @@ class Checkpointer:
         path = self.agreed_path(path)
         self.wait()
         with held_row_order(), self._watchdog.watch(f"saving checkpoint '{path}'"):
+            checkpoint = CheckpointState(state)
             if full or self.state_dict_type == "full" or path.suffix == ".safetensors":
-                save_full(path, state, filter)  # rank 0 writes; the others wait in its gathers
+                save_full(path, checkpoint, filter)  # rank 0 writes; the others wait in its gathers
                 return
             background = self._background if self._background.enabled else None
-            save_sharded(path, state, self._broadcast, background, filter)
+            save_sharded(path, checkpoint, self._broadcast, background, filter)
 
     def check_writable(self, directory: Any) -> None:
         """Raise ``SaveError`` on every rank now if any rank cannot create files in rank 0's ``directory``."""
@@ -133,16 +133,13 @@ class Checkpointer:
                 "Load an optimizer together with its model: fabric.load(path, {'model': ..., ...})"
             )
         checkpoint = CheckpointState(state)
-        model, optimizers, plain = checkpoint.model, checkpoint.optimizers, checkpoint.plain
         sharded, metadata = find_sharded(path, checkpoint.model_key, weights_only=safe)
         if sharded:
             split_mesh = self._mesh() if self.split_replica_reads else None
             with self._watchdog.watch(f"loading checkpoint '{path}'"):
-                return load_sharded(path, state, strict, safe, split_mesh=split_mesh, metadata=metadata)
-        self.load_raw(path, model, strict=strict, weights_only=safe)
-        requested, remainder = restore_extras(path, model, optimizers, set(plain), strict=strict, weights_only=safe)
-        _move_state_into(source=requested, destination=state, keys=set(requested))
-        return remainder
+                return load_sharded(path, checkpoint, state, strict, safe, split_mesh=split_mesh, metadata=metadata)
+        self.load_raw(path, checkpoint.model, strict=strict, weights_only=safe)
+        return restore_extras(path, checkpoint, state, strict=strict, weights_only=safe)
 
     def load_raw(
         self,

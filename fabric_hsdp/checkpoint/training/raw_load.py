@@ -30,10 +30,8 @@ from fabric_hsdp.checkpoint.core import watchdog
 from fabric_hsdp.checkpoint.core.boxes import global_box, pieces_of
 from fabric_hsdp.checkpoint.core.fileio import release_freed_memory
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec, KeyMatch, format_key_errors, match_keys
-from fabric_hsdp.checkpoint.core.lazy_tensor import LazyTensor
 from fabric_hsdp.checkpoint.core.mismatch import Configs, checkpoint_config, model_config
 from fabric_hsdp.checkpoint.core.progress import Progress
-from fabric_hsdp.checkpoint.core.tree import read_lazy
 from fabric_hsdp.checkpoint.formats.conversions import convert_for_model
 from fabric_hsdp.checkpoint.formats.detect import open_checkpoint
 from fabric_hsdp.checkpoint.formats.source import CheckpointSource, TensorInfo
@@ -291,72 +289,3 @@ def _load_from_rank0(load: _Load) -> LoadResult:
         if source is not None:
             source.close()
     return LoadResult(names, match.missing, match.unexpected, mismatched)
-
-
-def load_optimizer_from_extras(
-    module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], name: str
-) -> None:
-    """Restore a full (consolidated) optimizer state into the sharded optimizer, one tensor at a time.
-
-    ``saved`` is the optimizer entry of a wrapped checkpoint (keyed by parameter name, as Fabric saves it, or by
-    index, as ``optimizer.state_dict()`` is); its tensors may be lazy.
-    """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    current = get_optimizer_state_dict(module, optimizer)  # initialises the state, sharded like the parameters
-    by_name = _state_by_name(saved, current, name)
-    fused = fused_rows_of(module)
-    with torch.no_grad():
-        for fqn, entries in current["state"].items():
-            if fqn not in by_name:
-                raise CheckpointError(f"optimizer entry {name!r} of the checkpoint has no state for parameter {fqn!r}")
-            for key, target in entries.items():
-                value = by_name[fqn][key]
-                value = value.read() if isinstance(value, LazyTensor) else value
-                if not isinstance(target, torch.Tensor):
-                    entries[key] = value
-                    continue
-                copy_local_part(value, target, fused.get(fqn))
-    current["param_groups"] = [
-        {**saved_group, "params": group["params"]}
-        for saved_group, group in zip(saved["param_groups"], current["param_groups"])
-    ]
-    set_optimizer_state_dict(module, optimizer, current)
-
-
-def _state_by_name(saved: dict[str, Any], current: dict[str, Any], name: str) -> dict[str, Any]:
-    state = saved.get("state", {})
-    if all(isinstance(key, str) for key in state):
-        return state
-    # A plain optimizer.state_dict(): parameters are numbered in param_groups order, like ours.
-    names = [fqn for group in current["param_groups"] for fqn in group["params"]]
-    numbers = [number for group in saved["param_groups"] for number in group["params"]]
-    if len(names) != len(numbers):
-        raise CheckpointError(
-            f"optimizer entry {name!r} of the checkpoint has {len(numbers)} parameters, the optimizer {len(names)}"
-        )
-    return {fqn: state[number] for fqn, number in zip(names, numbers) if number in state}
-
-
-def restore_extras(
-    path: Path,
-    module: nn.Module,
-    optimizers: dict[str, torch.optim.Optimizer],
-    plain_keys: set[str],
-    strict: bool,
-    weights_only: bool,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore optimizers from a wrapped full checkpoint and return ``(requested plain values, the rest)``.
-
-    Every rank reads the optimizer tensors it needs one at a time (a full tensor, then its own slice of it).
-    """
-    from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-
-    with open_checkpoint(path, weights_only=weights_only) as source:
-        extras = source.extras(lazy=True)
-        _validate_keys_for_strict_loading(set(optimizers) | plain_keys, extras.keys(), strict=strict)
-        for key, optimizer in optimizers.items():
-            if key in extras:
-                load_optimizer_from_extras(module, optimizer, extras.pop(key), key)
-        requested = {key: read_lazy(extras.pop(key)) for key in plain_keys if key in extras}
-        return requested, read_lazy(extras)

@@ -43,7 +43,7 @@ from fabric_hsdp.errors import CheckpointError
 
 def save_sharded(
     path: Path,
-    state: dict[str, Any],
+    checkpoint: CheckpointState,
     broadcast: Callable[[Any], Any],
     background_saves: background.BackgroundSaves | None = None,
     filter: Filter | None = None,
@@ -55,7 +55,6 @@ def save_sharded(
     raises its failure). ``filter``: Fabric's ``save(filter=)``, e.g. ``{"model": lambda name, value: "lora_" in
     name}`` for an adapter-only checkpoint.
     """
-    checkpoint = CheckpointState(state)
     tensors, _ = checkpoint.stored(checkpoint.tensors(filter))  # a filter that keeps no tensor fails before any file
     save = commit.PendingSave(path, broadcast, dist.get_rank())
     with fail_together(f"preparing to save checkpoint '{path}'"):
@@ -67,7 +66,7 @@ def save_sharded(
             background_saves.start(tensors, save)
             return
         with fail_together(f"saving checkpoint '{path}'"):
-            _save_dcp(tensors, save.directory, path)
+            write_shards(tensors, DirectWriter(save.directory), path)
         with fail_together(f"committing checkpoint '{path}'"):
             save.commit("saved")
     except BaseException:
@@ -75,12 +74,15 @@ def save_sharded(
         raise
 
 
-def _save_dcp(tensors: dict[str, Any], pending: Path, path: Path) -> None:
+def write_shards(tensors: dict[str, Any], writer: Any, path: Path, *, no_dist: bool = False) -> None:
+    """This rank's part of the sharded checkpoint ``path``: DCP writes ``tensors`` (from
+    :meth:`CheckpointState.stored`) through ``writer`` (a pending directory's; the dry run's scratch one, alone with
+    ``no_dist``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        dcp.save(tensors, storage_writer=DirectWriter(pending), planner=SavePlanner())
+        dcp.save(tensors, storage_writer=writer, planner=SavePlanner(), no_dist=no_dist)
     except CheckpointException as error:
         raise save_error(error, path) from None
 
@@ -95,13 +97,15 @@ def save_meta(values: dict[str, Any], file: Path) -> None:
 
 def load_sharded(
     path: Path,
+    checkpoint: CheckpointState,
     state: dict[str, Any],
     strict: bool,
     weights_only: bool,
     split_mesh: Any = None,
     metadata: Any = None,
 ) -> dict[str, Any]:
-    """Restore the model, optimizers and plain values of ``state`` in place from a DCP directory, on any topology.
+    """Restore the model, optimizers and plain values of ``state`` (sorted as ``checkpoint``) in place from a DCP
+    directory, on any topology.
 
     With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`), replicas each read a ``1/R``
     part of their shards and all-gather the rest (:mod:`fabric_hsdp.checkpoint.training.replica_split`).
@@ -111,15 +115,9 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
 
     with fail_together(f"opening checkpoint '{path}'"):
         metadata = check_complete(path, weights_only=weights_only, metadata=metadata)
-        checkpoint = CheckpointState(state)
         model_key, model, optimizers = checkpoint.model_key, checkpoint.model, checkpoint.optimizers
         saved_keys = top_level_keys(metadata)
         wanted = [model_key, *optimizers]
@@ -147,9 +145,7 @@ def load_sharded(
         raise first_failure(error) from None  # e.g. SafeLoadPlanner's "pass weights_only=False"
     replica_split.gather(splits, split_mesh)
     boxes.put_back(replaced)
-    set_model_state_dict(model, targets[model_key], options=StateDictOptions(strict=strict))
-    for key, optimizer in optimizers.items():
-        set_optimizer_state_dict(model, optimizer, targets[key])
+    checkpoint.restore(targets, strict)
     meta = read_meta(path, weights_only=weights_only)
     _validate_keys_for_strict_loading(checkpoint.plain.keys(), meta.keys(), strict=strict)
     _move_state_into(source=meta, destination=state, keys=set(checkpoint.plain))

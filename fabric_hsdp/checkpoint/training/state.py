@@ -1,8 +1,8 @@
 """A checkpoint state (``{"model": model, "optimizer": optimizer, "step": 3}``) and the tensors a checkpoint stores.
 
-Every way of saving or loading the strategy's state (sharded, full, the dry run's) builds one
+Every way of saving or loading the strategy's state (sharded, full, the dry run's) works on one
 :class:`CheckpointState`: it sorts the state by kind, finds the rows tensor parallelism regrouped once, assembles the
-model's and optimizers' state dicts and applies Fabric's ``filter=``.
+model's and optimizers' state dicts, applies Fabric's ``filter=`` and restores what a load read.
 """
 
 from __future__ import annotations
@@ -81,6 +81,19 @@ class CheckpointState:
             return tensors, []
         return boxes.dcp_view(tensors, lambda param, tensor: boxes.regrouped_boxes(param, tensor, self.fused_rows))
 
+    def restore(self, tensors: dict[str, Any], strict: bool) -> None:
+        """Put ``tensors`` (the model's and optimizers' state dicts, as :meth:`tensors` gives them, filled from a
+        checkpoint) into the model and optimizers (torch's ``set_*_state_dict``)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(self.model, tensors[self.model_key], options=StateDictOptions(strict=strict))
+        for key, optimizer in self.optimizers.items():
+            set_optimizer_state_dict(self.model, optimizer, tensors[key])
+
     def plain_values(self, filter: Filter | None = None) -> dict[str, Any]:
         """The plain entries as stored: ``state_dict()`` of stateful objects (schedulers), the rest as they are."""
         values = {
@@ -90,16 +103,11 @@ class CheckpointState:
 
 
 def apply_filter(entries: dict[str, Any], filter: Filter | None) -> dict[str, Any]:
-    """``entries`` with each dict entry that ``filter`` has a function for cut down to the items it keeps, as
-    Lightning's strategies apply ``fabric.save(filter=)``; an entry left with no items is dropped."""
-    if not filter:
-        return entries
+    """``entries`` as Lightning's strategies apply ``fabric.save(filter=)`` (its own ``_apply_filter``): each dict entry
+    that ``filter`` has a function for cut down to the items it keeps, dropped if none is kept."""
+    from lightning.fabric.strategies.strategy import _apply_filter
+
     kept: dict[str, Any] = {}
     for key, value in entries.items():
-        if key in filter and isinstance(value, dict):
-            items = {name: item for name, item in value.items() if filter[key](name, item)}
-            if items:
-                kept[key] = items
-        else:
-            kept[key] = value
+        _apply_filter(key, filter or {}, value, kept)
     return kept
