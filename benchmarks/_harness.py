@@ -250,7 +250,7 @@ def build_model(fabric: Any, variant: str, millions: float) -> Any:
 
 def release(fabric: Any, modules: list[Any]) -> None:
     """End the rank cleanly for both strategies: drop FSDP2 state, then destroy the process group (see teardown.py)."""
-    from fabric_hsdp.teardown import ShardedModuleRegistry
+    from fabric_hsdp.processes.teardown import ShardedModuleRegistry
 
     fabric.barrier()
     registry = ShardedModuleRegistry()

@@ -430,7 +430,7 @@ def check_float8(ctx: Context) -> str:
     import torch
 
     from examples.tiny_llama import Block, Llama, LlamaConfig
-    from fabric_hsdp.float8 import float8_unsupported_reason
+    from fabric_hsdp.setup.float8 import float8_unsupported_reason
 
     reason = float8_unsupported_reason()
     if reason is not None:

@@ -343,7 +343,7 @@ def _save_figures(args: Any, fabric: Any, model: Any, optimizer: Any, batches: l
 
 
 def _float8_skip_reason(args: argparse.Namespace) -> str | None:
-    from fabric_hsdp.float8 import float8_unsupported_reason
+    from fabric_hsdp.setup.float8 import float8_unsupported_reason
 
     return "float8 needs CUDA" if args.device != "cuda" else float8_unsupported_reason()
 

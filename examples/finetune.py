@@ -21,7 +21,7 @@ skipped, the reason logged), on any number of nodes, or from ``--resume PATH``. 
 from the saved run's, the gradient accumulation is adjusted to keep the global batch (or the log says what changed).
 On SLURM's pre-kill signal (``#SBATCH --signal=USR1@90``) or SIGTERM every rank stops at the same step boundary and
 saves; with ``--requeue true`` the job requeues itself (``scontrol requeue``) and the restarted job resumes
-(:mod:`fabric_hsdp.preemption`). At the end the model is
+(:mod:`fabric_hsdp.processes.preemption`). At the end the model is
 exported in the source's own format to ``<out_dir>/export``: ``lit_model.pth`` for litgpt, a ``save_pretrained``-style
 safetensors directory for transformers, with the config and tokenizer files of ``--checkpoint_dir`` next to it, and
 each tensor in its dtype in the source checkpoint. ``<out_dir>/export_check.pt`` keeps the fine-tuned model's
@@ -73,7 +73,7 @@ from examples.launching import devices_and_nodes, launched_by_fabric_cli, say  #
 from examples.retention import keep_last, newest_complete, point_latest, why_incomplete  # noqa: E402
 from fabric_hsdp import HybridFSDPStrategy  # noqa: E402
 from fabric_hsdp.adapters import adapter_keys  # noqa: E402
-from fabric_hsdp.preemption import Preemption  # noqa: E402
+from fabric_hsdp.processes.preemption import Preemption  # noqa: E402
 
 Format = Literal["litgpt", "transformers"]
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".index.json", ".distcp")

@@ -3,8 +3,8 @@ a per-rank launch report.
 
 One script runs under every launcher. The cluster environment follows the variables each one sets (torchrun's
 ``TORCHELASTIC_RUN_ID``, SLURM's ``SLURM_NTASKS``, LSF's ``JSM_NAMESPACE_*``, mpirun's ``OMPI_COMM_WORLD_*`` read
-through ``mpi4py``; ``fabric_hsdp.launchers`` picks the innermost launcher where Lightning's order would not); the
-script only has to
+through ``mpi4py``; ``fabric_hsdp.processes.launchers`` picks the innermost launcher where Lightning's order would
+not); the script only has to
 
 * call ``fabric.launch()`` everywhere except under ``fabric run``: under torchrun, SLURM, LSF and MPI it creates no
   process but marks the processes as set up (``setup_module`` raises "you must call .launch()" without it); with plain
@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from fabric_hsdp.launchers import SBATCH_SCRIPT, detect_launcher
+from fabric_hsdp.processes.launchers import SBATCH_SCRIPT, detect_launcher
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
@@ -46,9 +46,9 @@ def launched_by_fabric_cli() -> bool:
 def devices_and_nodes(devices: int | str, num_nodes: int | None) -> tuple[int | str, int]:
     """Fill ``"auto"`` devices and unset nodes from what the launcher started (torchrun, srun, mpirun, jsrun).
 
-    ``fabric_hsdp.launchers`` tells which launcher started the process (mpirun inside a SLURM allocation included)
-    and what it started. The strategy checks ``devices x num_nodes`` against that, so they must match it. Under
-    ``fabric run`` the CLI's ``--devices``/``--num-nodes`` apply (Fabric reads them from the environment).
+    ``fabric_hsdp.processes.launchers`` tells which launcher started the process (mpirun inside a SLURM allocation
+    included) and what it started. The strategy checks ``devices x num_nodes`` against that, so they must match it.
+    Under ``fabric run`` the CLI's ``--devices``/``--num-nodes`` apply (Fabric reads them from the environment).
     """
     if launched_by_fabric_cli():
         return devices, num_nodes or 1

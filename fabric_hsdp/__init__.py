@@ -4,6 +4,21 @@
 in Lightning's strategy registry, but imports neither Lightning nor the strategy: the registration happens when
 Lightning's registry is imported (now, if it already is), and the strategy class is imported on first use. So the
 ``fabric-hsdp`` command and :mod:`fabric_hsdp.checkpoint` start without Lightning's import time.
+
+The map: :mod:`~fabric_hsdp.strategy` is Fabric's hooks, each passing on to one wing:
+
+* ``setup_environment`` -> :mod:`fabric_hsdp.processes` (launchers, the process group, rank placement);
+* ``setup_module`` -> :mod:`fabric_hsdp.setup` (the pipeline: float8, :mod:`~fabric_hsdp.tensor_parallel`,
+  :mod:`~fabric_hsdp.expert_parallel`, :mod:`~fabric_hsdp.context_parallel`, activation checkpointing, compile,
+  FSDP) and :mod:`fabric_hsdp.adapters` (LoRA);
+* ``save``/``load``/``load_raw`` -> :mod:`fabric_hsdp.checkpoint` (formats, writers, the training path);
+* below them all, :mod:`fabric_hsdp.models`: what the package knows of model libraries (LoRA wrappers, fused rows,
+  experts, tied weights, transformers); beside them, what every wing uses: :mod:`~fabric_hsdp.topology` (the degrees,
+  the named mesh and its sub-meshes by name), :mod:`~fabric_hsdp.agreement` (every rank passes or every rank fails),
+  :mod:`~fabric_hsdp.versions`, :mod:`~fabric_hsdp.errors`, :mod:`~fabric_hsdp.logs`, :mod:`~fabric_hsdp.units`.
+
+Tools on top: :mod:`fabric_hsdp.planning` (``fabric-hsdp plan``), :mod:`fabric_hsdp.dryrun` (``fabric-hsdp dryrun``),
+:mod:`~fabric_hsdp.cli` and :mod:`~fabric_hsdp.run` (``fabric-hsdp run``).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def failure_line(error: Any) -> str:
 def _say_if_waiting(params: dict[str, Any]) -> threading.Timer | None:
     """On a multi-node launch: if torchrun has started no process after ``RENDEZVOUS_NOTICE`` seconds (it waits for
     every node's launch to join), say so once. torchrun itself is silent for its whole rendezvous timeout."""
-    from fabric_hsdp import distributed
+    from fabric_hsdp.processes import distributed
 
     if int(params.get("num_nodes") or 1) < 2:
         return None

@@ -22,25 +22,25 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from fabric_hsdp import distributed, failures
 from fabric_hsdp.checkpoint.core.keys import KeyMapSpec
 from fabric_hsdp.checkpoint.training.checkpointer import Checkpointer
 from fabric_hsdp.checkpoint.training.raw_load import LoadMode, LoadResult
-from fabric_hsdp.float8 import precompute_scales_after_steps
-from fabric_hsdp.fsdp import (
+from fabric_hsdp.processes import distributed, failures
+from fabric_hsdp.processes.launchers import check_launch, detect_launcher, environment_for, one_gpu_per_task
+from fabric_hsdp.processes.process_group_strategy import ProcessGroupStrategy
+from fabric_hsdp.processes.run_topology import RunTopology
+from fabric_hsdp.processes.teardown import ShardedModuleRegistry, exit_now
+from fabric_hsdp.setup.float8 import precompute_scales_after_steps
+from fabric_hsdp.setup.fsdp import (
     ModulePolicy,
     check_optimizer_is_sharded,
     parameter_names,
     precision_plugin,
     repoint_optimizers,
 )
-from fabric_hsdp.gradients import ReplicaSyncControl, clip_grad_norm
-from fabric_hsdp.launchers import check_launch, detect_launcher, environment_for, one_gpu_per_task
-from fabric_hsdp.materialize import parameters_on_meta
-from fabric_hsdp.parallelize import levers_of, set_up_module
-from fabric_hsdp.process_group_strategy import ProcessGroupStrategy
-from fabric_hsdp.run_topology import RunTopology
-from fabric_hsdp.teardown import ShardedModuleRegistry, exit_now
+from fabric_hsdp.setup.gradients import ReplicaSyncControl, clip_grad_norm
+from fabric_hsdp.setup.materialize import parameters_on_meta
+from fabric_hsdp.setup.pipeline import levers_of, set_up_module
 from fabric_hsdp.tensor_parallel import TensorParallelPlan, loss_parallel
 from fabric_hsdp.topology import ParallelMesh, ShardSize, Topology
 
@@ -136,7 +136,9 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         precision: Precision | None = None,
     ) -> None:
         failures.install()  # a package error ends the script with one line on rank 0, not a traceback per rank
-        self._launched_by = detect_launcher()  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/launchers.py
+        self._launched_by = (
+            detect_launcher()
+        )  # mpirun inside SLURM, srun inside salloc: see fabric_hsdp/processes/launchers.py
         if (binding := one_gpu_per_task()) is not None:  # before Fabric's own "only has [0]"
             rank_zero_warn(binding)
         environment = cluster_environment or environment_for(self._launched_by)

@@ -126,7 +126,7 @@ def test_the_package_flows_go_one_way_down(callpath, flow):
 
 def test_the_setup_flow_does_not_enter_checkpoint(callpath):
     walk = callpath.Walk(callpath.load_package(ROOT))
-    walk.run("fabric_hsdp.parallelize:set_up_module")
+    walk.run("fabric_hsdp.setup.pipeline:set_up_module")
     assert len(walk.files) > 10  # the walk followed the setup down
     # LoRA wrappers, fused rows and tied weights are asked of models/, not of the checkpoint code
     assert [file for file in walk.files if _parts(file)[1] == "checkpoint"] == []

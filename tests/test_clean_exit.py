@@ -1,6 +1,6 @@
 """Every rank ends with the status its script earned, every time: 0 after a plain training script, 1 after an error.
 
-What this guards (fabric_hsdp/teardown.py): ranks that ran an FSDP2 forward can abort at interpreter exit
+What this guards (fabric_hsdp/processes/teardown.py): ranks that ran an FSDP2 forward can abort at interpreter exit
 ("terminate called without an active exception", exit 134) when the process group is destroyed before the FSDP2
 states that reference it; the strategy's exit handler releases the states first, then destroys the group, on the
 success path and on the error path (a failing load, where the traceback keeps the model alive through the exit).
@@ -56,7 +56,7 @@ def test_consecutive_launches_of_each_kind_exit_with_their_status(tmp_path):
             failures.append(
                 (run, scenario, result.returncodes, [r.stderr[-800:] for r in result.ranks if r.returncode])
             )
-        elif failing:  # one line for the job, on rank 0 (fabric_hsdp/failures.py); the others exit 1 quietly
+        elif failing:  # one line for the job, on rank 0 (fabric_hsdp/processes/failures.py); the others exit 1 quietly
             said = [line for r in result.ranks for line in r.stderr.splitlines() if "fabric-hsdp: error" in line]
             assert len(said) == 1 and said[0].startswith("fabric-hsdp: error: checkpoint"), said
             assert said[0] in result.ranks[0].stderr, result.ranks[0].stderr[-2000:]
@@ -122,5 +122,5 @@ def fail_while_starting(num_nodes: int, devices: int, out: str) -> None:
 
     atexit.register(lambda: (Path(out) / str(os.getpid())).write_text(str(dist.is_initialized())))
     planted = ValueError("the launcher numbered the global ranks across nodes (planted)")
-    with mock.patch("fabric_hsdp.distributed.check_rank_placement", side_effect=planted):
+    with mock.patch("fabric_hsdp.processes.distributed.check_rank_placement", side_effect=planted):
         make_fabric(num_nodes, devices)

@@ -7,7 +7,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from fabric_hsdp import distributed
+from fabric_hsdp.processes import distributed
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 

@@ -131,9 +131,9 @@ def test_the_plan_is_compared_with_the_training_forward_not_a_validation_one(tmp
 def test_object_collectives_answer_this_ranks_value_under_the_fake_backend():
     import torch.distributed as dist
 
-    from fabric_hsdp import distributed
     from fabric_hsdp.agreement import fail_together
     from fabric_hsdp.dryrun.fake import active, fake_process_group
+    from fabric_hsdp.processes import distributed
 
     with fake_process_group():
         dist.init_process_group("gloo", rank=5, world_size=1024)

@@ -135,7 +135,7 @@ def test_a_package_error_on_one_rank_alone_is_reported_by_that_rank():
 
 def test_a_package_error_tells_torchrun_its_reason(tmp_path, monkeypatch, capsys):
     """Under torchrun the summary's root cause showed a link to torch's docs; rank 0's error file now holds the line."""
-    from fabric_hsdp import failures
+    from fabric_hsdp.processes import failures
 
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     monkeypatch.delenv("FABRIC_HSDP_DEBUG", raising=False)

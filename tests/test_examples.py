@@ -32,7 +32,8 @@ def test_latest_checkpoint_takes_the_highest_step_and_ignores_other_names(tmp_pa
 
 
 def test_devices_and_nodes_follow_the_launcher(monkeypatch):
-    """torchrun, srun and mpirun (inside the allocation) as they set their variables (fabric_hsdp.launchers decides)."""
+    """torchrun, srun and mpirun (inside the allocation) as they set their variables (fabric_hsdp.processes.launchers
+    decides)."""
     launcher_variables = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
     for name in list(os.environ):
         if name == "LT_CLI_USED" or name.startswith("SLURM_") or name in launcher_variables:

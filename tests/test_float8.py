@@ -17,17 +17,17 @@ def float8_steps(num_nodes: int, devices: int, all_gather: bool) -> dict:
 
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from fabric_hsdp.float8 import Float8Spec
+    from fabric_hsdp.setup.float8 import Float8Spec
     from tests.helpers.training import batch, build, layer_class, make_fabric
 
     fabric = make_fabric(num_nodes, devices, sharded_modules={layer_class("llama")})
     # float8 needs a capable GPU, so the strategy refuses it here: set the validated lever the way it would
     fabric.strategy._levers = replace(fabric.strategy._levers, float8=Float8Spec("tensorwise", emulate=True))
     if not all_gather:  # the per-layer path (what tensor parallelism gets): high-precision all-gather
-        import fabric_hsdp.parallelize as parallelize
+        import fabric_hsdp.setup.pipeline as pipeline
 
-        convert = parallelize.apply_float8
-        parallelize.apply_float8 = lambda model, spec, **kwargs: convert(
+        convert = pipeline.apply_float8
+        pipeline.apply_float8 = lambda model, spec, **kwargs: convert(
             model, spec, **{**kwargs, "tensor_parallel": True}
         )
     model = fabric.setup_module(build("llama", seed=0))

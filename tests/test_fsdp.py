@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fabric_hsdp.fsdp import offload_policy
+from fabric_hsdp.setup.fsdp import offload_policy
 
 
 def test_cpu_offload_on_a_cpu_device_is_refused_with_the_fix():
@@ -16,8 +16,8 @@ def test_cpu_offload_on_a_cpu_device_is_refused_with_the_fix():
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"])
 def test_fsdp_policy_and_planner_read_one_precision_table(precision):
     """What FSDP2 gathers and reduces in is what the planner counts bytes for (one table behind both)."""
-    from fabric_hsdp.fsdp import mixed_precision_policy
     from fabric_hsdp.planning.memory import Training
+    from fabric_hsdp.setup.fsdp import mixed_precision_policy
 
     policy, training = mixed_precision_policy(precision), Training(precision)
     model_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
@@ -34,7 +34,7 @@ def test_fsdp_policy_and_planner_read_one_precision_table(precision):
 
 
 def test_an_unknown_precision_is_refused_naming_the_ones_that_work():
-    from fabric_hsdp.fsdp import mixed_precision_policy
+    from fabric_hsdp.setup.fsdp import mixed_precision_policy
 
     with pytest.raises(ValueError, match=r"precision='8-true'\)\. Choose one of: 32-true, bf16-mixed, 16-mixed"):
         mixed_precision_policy("8-true")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import fabric_hsdp.parallelize
+import fabric_hsdp.setup.pipeline
 from tests.helpers.launch import launch
 from tests.helpers.training import VOCAB, hf_config, make_fabric
 
@@ -53,7 +53,7 @@ def seeding_on_offloaded_shards(num_nodes: int, devices: int) -> dict[str, Any]:
     the model copy by where its shard lives.
     """
     fabric = make_fabric(num_nodes, devices, sharded_modules={nn.Linear})
-    materialize, to_empty = fabric_hsdp.parallelize.materialize_local_shards, nn.Module.to_empty
+    materialize, to_empty = fabric_hsdp.setup.pipeline.materialize_local_shards, nn.Module.to_empty
 
     def materialize_as_on_cuda(module: nn.Module, device: torch.device, position: int) -> None:
         materialize(module, torch.device("cuda"), position)
@@ -65,7 +65,7 @@ def seeding_on_offloaded_shards(num_nodes: int, devices: int) -> dict[str, Any]:
     with fabric.init_module(empty_init=True):
         model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64))
     with (
-        mock.patch.object(fabric_hsdp.parallelize, "materialize_local_shards", materialize_as_on_cuda),
+        mock.patch.object(fabric_hsdp.setup.pipeline, "materialize_local_shards", materialize_as_on_cuda),
         mock.patch.object(nn.Module, "to_empty", to_empty_in_cpu_memory),
     ):
         model = fabric.setup_module(model)

@@ -1,4 +1,4 @@
-"""Launcher detection (fabric_hsdp/launchers.py) from the variables each launcher sets, in-process.
+"""Launcher detection (fabric_hsdp/processes/launchers.py) from the variables each launcher sets, in-process.
 
 The variables are those seen on the SLURM test cluster (tests/cluster/, which runs the real launchers) and, for LSF's
 jsrun, which cannot run here, those IBM documents and Lightning's LSFEnvironment reads.
@@ -19,7 +19,7 @@ from lightning.fabric.plugins.environments import (
 )
 
 from fabric_hsdp import HybridFSDPStrategy
-from fabric_hsdp.launchers import (
+from fabric_hsdp.processes.launchers import (
     FABRIC_RUN,
     JSRUN,
     MPIRUN,
@@ -322,7 +322,7 @@ def _set_environ(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]) -> No
 
 
 def test_one_gpu_bound_per_slurm_task_names_the_fix():
-    from fabric_hsdp.launchers import one_gpu_per_task
+    from fabric_hsdp.processes.launchers import one_gpu_per_task
 
     slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "8"}
     message = one_gpu_per_task({**slurm, "SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "3"})

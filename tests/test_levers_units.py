@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fabric_hsdp import HybridFSDPStrategy
-from fabric_hsdp.float8 import converts, float8_unsupported_reason
-from fabric_hsdp.parallelize import apply_activation_checkpointing
+from fabric_hsdp.setup.activation_checkpointing import apply_activation_checkpointing
+from fabric_hsdp.setup.float8 import converts, float8_unsupported_reason
 from tests.helpers.counters import OpCounter
 from tests.helpers.launch import REPO_ROOT
 from tests.helpers.training import batch, build, layer_class, logits_of
@@ -96,7 +96,7 @@ def test_compile_is_per_block_in_place_and_bounded():
     two identical blocks share their graph (dynamo counts one frame per block and one graph in all)."""
     import torch._dynamo
 
-    from fabric_hsdp.parallelize import apply_compile
+    from fabric_hsdp.setup.compile import apply_compile
 
     eager, compiled = build("litgpt", seed=0), build("litgpt", seed=0)
     torch._dynamo.reset()
@@ -122,7 +122,7 @@ def test_float8_conversion_swaps_the_eligible_linears(caplog):
     Without compile, and for layers this small, the user is told float8 will likely be slower than bf16."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from fabric_hsdp.float8 import Float8Spec, apply_float8
+    from fabric_hsdp.setup.float8 import Float8Spec, apply_float8
 
     model = build("litgpt")
     with caplog.at_level("WARNING", logger="fabric_hsdp"):
@@ -139,7 +139,7 @@ def test_float8_conversion_swaps_the_eligible_linears(caplog):
 def test_selective_checkpointing_saves_float8_matmuls_and_their_scales():
     """float8 + selective AC: its matmuls (``_scaled_mm``) and amax (``max``) are saved, as torchtitan's list does;
     without them every float8 matmul was recomputed."""
-    from fabric_hsdp.parallelize import saved_ops
+    from fabric_hsdp.setup.activation_checkpointing import saved_ops
 
     ops = saved_ops()
     assert torch.ops.aten._scaled_mm.default in ops and torch.ops.aten.max.default in ops
@@ -150,7 +150,7 @@ def _compiled_backward_ops(mode) -> dict[str, int]:
     """``_backward_ops`` with each block compiled (AOTAutograd without inductor: the same partition, seconds)."""
     import torch._dynamo
 
-    from fabric_hsdp.parallelize import apply_compile
+    from fabric_hsdp.setup.compile import apply_compile
 
     torch._dynamo.reset()
     model = build("litgpt", seed=0)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fabric_hsdp.preemption import Preemption
+from fabric_hsdp.processes.preemption import Preemption
 from tests.helpers.launch import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT))

@@ -386,7 +386,7 @@ def test_peft_inits_that_need_the_base_weights_are_refused_on_meta():
     from peft import LoraConfig, get_peft_model
 
     from fabric_hsdp.adapters.init import refuse_unsupported_adapters
-    from fabric_hsdp.materialize import parameters_on_meta
+    from fabric_hsdp.setup.materialize import parameters_on_meta
 
     with parameters_on_meta():
         model = get_peft_model(tiny_hf_llama(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="olora"))
@@ -541,7 +541,7 @@ def test_peft_modules_to_save_is_refused_on_meta_with_what_works():
     from peft import LoraConfig, get_peft_model
 
     from fabric_hsdp.adapters.init import refuse_unsupported_adapters
-    from fabric_hsdp.materialize import parameters_on_meta
+    from fabric_hsdp.setup.materialize import parameters_on_meta
 
     config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
     with parameters_on_meta():

@@ -1,7 +1,7 @@
 """``compile=True`` on a transformers 5 MoE model trained with its router's load-balancing loss.
 
 transformers records the router logits that ``output_router_logits=True`` adds up by forward hooks that read a
-context variable; traced in a compiled block they read nothing (``fabric_hsdp.parallelize.eager_call_class``). Two
+context variable; traced in a compiled block they read nothing (``fabric_hsdp.setup.compile.eager_call_class``). Two
 SGD steps with the aux loss on 2 simulated nodes x 2 ranks, the blocks compiled, with and without expert
 parallelism, against one eager process: the aux loss, the loss and the first step's gradients.
 """

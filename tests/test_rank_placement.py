@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from fabric_hsdp.launchers import Launcher
-from fabric_hsdp.rank_placement import Placement, check_rank_placement
+from fabric_hsdp.processes.launchers import Launcher
+from fabric_hsdp.processes.rank_placement import Placement, check_rank_placement
 from tests.helpers.launch import launch
 from tests.helpers.training import make_fabric
 

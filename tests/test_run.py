@@ -90,7 +90,7 @@ def test_a_node_waiting_for_the_others_in_torchruns_rendezvous_says_so(tmp_path)
     script.write_text("raise SystemExit('the nodes never met, so this never runs')\n")
     port = free_port()
     code = (
-        "import sys; from fabric_hsdp import distributed; distributed.RENDEZVOUS_NOTICE = 2.0;"
+        "import sys; from fabric_hsdp.processes import distributed; distributed.RENDEZVOUS_NOTICE = 2.0;"
         " from fabric_hsdp.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     command = [sys.executable, "-c", code, "run", "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2"]

@@ -156,7 +156,7 @@ def test_gloo_reductions_are_summed_whatever_tensors_gloo_carries(monkeypatch):
     backend, not the device: gloo with CUDA tensors gets it too, NCCL beside a CPU gloo (offload) does not."""
     import torch.distributed as dist
 
-    from fabric_hsdp.fsdp import reduces_by_sum
+    from fabric_hsdp.setup.fsdp import reduces_by_sum
 
     class Mesh:
         def __init__(self, device_type: str, backends: list[str]) -> None:

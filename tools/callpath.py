@@ -52,7 +52,7 @@ _FOREIGN_METHODS = frozenset(
     for kind in (dict, list, set, str, bytes, tuple, Path, io.BufferedWriter, io.TextIOWrapper, type(re.match("", "")))
     for name in dir(kind)
     if not name.startswith("__")
-)
+) | {"modules", "parameters", "named_modules", "named_parameters", "children"}  # torch.nn.Module's
 
 
 def layer_of(module: str) -> int | None:

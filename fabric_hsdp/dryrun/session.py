@@ -222,7 +222,7 @@ class DryRunSession:
 
 
 def _tensor_parallel_plan(strategy: Any) -> Any:
-    levers = getattr(strategy, "_levers", None)  # the strategy's setup options (fabric_hsdp/parallelize.py)
+    levers = getattr(strategy, "_levers", None)  # the strategy's setup options (fabric_hsdp/setup/pipeline.py)
     return getattr(levers, "tensor_parallel_plan", getattr(strategy, "_tensor_parallel_plan", "auto"))
 
 

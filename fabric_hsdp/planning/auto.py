@@ -1,6 +1,6 @@
 """``shard_size="auto"``: plan with the real model and the devices' memory, and take the recommended layout.
 
-At ``setup_module`` the run's topology (:meth:`fabric_hsdp.run_topology.RunTopology.choose`) calls
+At ``setup_module`` the run's topology (:meth:`fabric_hsdp.processes.run_topology.RunTopology.choose`) calls
 :func:`smallest_budget` (the smallest of the ranks' budgets: explicit, or the free CUDA memory), then
 :func:`auto_topology`, so every rank plans with the same numbers and picks the same layout. The plan is
 :func:`~fabric_hsdp.planning.plan.make_plan`'s, the same as ``fabric-hsdp plan`` prints; :func:`planner_training`
@@ -19,7 +19,7 @@ from fabric_hsdp.topology import Topology
 from fabric_hsdp.units import format_bytes
 
 if TYPE_CHECKING:
-    from fabric_hsdp.parallelize import Levers
+    from fabric_hsdp.setup.pipeline import Levers
 
 
 def smallest_budget(memory_budget: int | None, device: Any) -> int:
@@ -41,7 +41,7 @@ def smallest_budget(memory_budget: int | None, device: Any) -> int:
 def planner_training(precision: str, workload: Workload | None, levers: Levers) -> Training:
     """How the planner sees a strategy's training (precision, levers, offload) for ``workload``: what
     ``shard_size="auto"`` chooses with and the dry run's report compares against."""
-    from fabric_hsdp.fsdp import offloads
+    from fabric_hsdp.setup.fsdp import offloads
 
     reshard = levers.reshard_after_forward
     return Training(

@@ -7,7 +7,7 @@ from typing import Any
 
 from fabric_hsdp.planning.memory import OPTIMIZERS
 from fabric_hsdp.planning.plan import DEFAULT_SAFETY_MARGIN
-from fabric_hsdp.precision import PRECISION_DTYPES
+from fabric_hsdp.setup.precision import PRECISION_DTYPES
 
 PLAN_HELP = """Which shard_size (and tensor_parallel_size) fits a model in device memory with the shortest estimated
 step time, compute and communication included (the bandwidths given, else a typical H100 node's, stated in the

@@ -1,9 +1,9 @@
 """Context parallelism in the plan: which layouts may split a sequence, the keys and values they gather, and the memory.
 
 With ``context_parallel_size=C`` the ``C`` ranks of a context group (consecutive ranks of one node, the shard dim
-split into ``(data_shard, context)``: :mod:`fabric_hsdp.topology`) take the same micro-batch and each computes on
-``s / C`` of every sequence's tokens (two head-tail chunks of ``s / 2C``, so ``s`` must divide by ``2C``). The
-parameters are sharded over the whole shard group as without it. So, per rank and micro-batch of ``m`` sequences
+split into ``(data_shard, context)``: :mod:`fabric_hsdp.topology`) take the same micro-batch and each
+computes on ``s / C`` of every sequence's tokens (two head-tail chunks of ``s / 2C``, so ``s`` must divide by ``2C``).
+The parameters are sharded over the whole shard group as without it. So, per rank and micro-batch of ``m`` sequences
 (``n_kv d_h`` the key/value width, ``b_a`` the compute dtype's bytes, ``L`` layers):
 
 * activations: those of ``m s / C`` tokens (the existing estimate at the shorter length; the output head's logits

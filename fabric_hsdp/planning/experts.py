@@ -2,9 +2,9 @@
 
 With ``expert_parallel_size=N`` each MoE layer's fused experts (transformers 5's ``gate_up_proj`` ``[E, 2I, H]`` and
 ``down_proj`` ``[E, H, I]``) are split ``N`` ways over the ``expert`` dim (``E / N`` experts per rank) and are their
-own FSDP unit, sharded over the ``expert_shard`` group of ``e = S / N`` ranks (:mod:`fabric_hsdp.topology`). So, per
-MoE layer and micro-batch, per rank (``P_e`` the layer's expert parameters, ``T`` tokens per rank, ``k`` the top-k,
-``h`` the hidden size, ``b_a`` the compute dtype's bytes):
+own FSDP unit, sharded over the ``expert_shard`` group of ``e = S / N`` ranks (:mod:`fabric_hsdp.topology`).
+So, per MoE layer and micro-batch, per rank (``P_e`` the layer's expert parameters, ``T`` tokens per rank, ``k`` the
+top-k, ``h`` the hidden size, ``b_a`` the compute dtype's bytes):
 
 * sharded state: ``E / N`` experts over ``e`` ranks is ``E / S`` experts per rank, the same bytes as FSDP alone;
 * gathers and reduce-scatters: of ``P_e / N`` over the ``expert_shard`` group (``(e - 1) / e`` of it per rank, none

@@ -53,7 +53,7 @@ from typing import Literal
 from fabric_hsdp.planning.context import gathered_key_value_bytes, local_training
 from fabric_hsdp.planning.experts import is_fused_expert, received_tokens_bytes
 from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims
-from fabric_hsdp.precision import PRECISION_DTYPES, PrecisionDtypes, canonical_precision
+from fabric_hsdp.setup.precision import PRECISION_DTYPES, PrecisionDtypes, canonical_precision
 
 Optimizer = Literal["adamw", "sgd", "none"]
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "none")

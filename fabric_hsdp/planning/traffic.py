@@ -12,7 +12,7 @@ and TP degree ``T``:
   forward (all layers by default; the root too with ``reshard_after_forward=True``; none with ``False``), in the
   compute dtype; a reduce-scatter of every unit's gradients in the reduce dtype (trainable parameters only: a LoRA
   model's frozen base has none); all of it once per micro-batch (FSDP2 gathers again for every forward, and
-  ``fabric.no_backward_sync`` keeps the reduce-scatter: see ``fabric_hsdp/gradients.py``). With
+  ``fabric.no_backward_sync`` keeps the reduce-scatter: see ``fabric_hsdp/setup/gradients.py``). With
   ``keep_gathered_while_accumulating`` the units stay gathered for the whole step: one all-gather of every unit per
   step (none in backward), the reduce-scatter still once per micro-batch.
 * Replication (``replicate`` groups): an all-reduce of each rank's gradient shard (trainable parameters only), once

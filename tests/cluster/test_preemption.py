@@ -1,6 +1,6 @@
 """Preemption on the real SLURM cluster: SLURM's pre-kill signal mid-training -> every rank saves at one step, the
 job requeues itself, and the restarted job resumes from that step and finishes (examples/finetune.py,
-fabric_hsdp.preemption).
+fabric_hsdp.processes.preemption).
 
 The local cluster's slurm.conf leaves ``JobRequeue`` at its default (1: batch jobs may be requeued), and
 ``scontrol requeue`` is what a job script's own rank 0 runs.

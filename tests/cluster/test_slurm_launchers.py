@@ -264,7 +264,7 @@ def test_tasks_per_node_unlike_devices_stops_every_rank_with_one_message(slurm_c
     seconds = time.monotonic() - started
     assert result.returncode != 0, result.stdout[-6000:]
     message = "started 2 process(es) on this node, but Fabric(devices=1) expects 1. Pass devices= equal to"
-    # one line for the job, from task 0 (fabric_hsdp/failures.py); task 1 exits 1 quietly
+    # one line for the job, from task 0 (fabric_hsdp/processes/failures.py); task 1 exits 1 quietly
     pattern = rf"^0: fabric-hsdp: error: srun \(SLURM_JOB_ID=\d+, .*\) {re.escape(message)}"
     assert re.search(pattern, result.stdout, re.MULTILINE), result.stdout[-6000:]
     assert not re.search(r"^1: .*(Error|error)", result.stdout, re.MULTILINE), result.stdout[-6000:]

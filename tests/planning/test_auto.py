@@ -8,7 +8,7 @@ from fabric_hsdp import HybridFSDPStrategy
 from fabric_hsdp.planning import NoLayoutFitsError, Training, Workload, memory_per_device, model_shape_of_module
 from fabric_hsdp.planning.auto import auto_topology
 from fabric_hsdp.planning.step import with_headroom
-from fabric_hsdp.run_topology import check_memory_budget
+from fabric_hsdp.processes.run_topology import check_memory_budget
 
 
 def test_cpu_needs_an_explicit_budget():

@@ -343,7 +343,7 @@ def _gradient_norms(fabric: L.Fabric, model: Any, reference: torch.nn.Module, to
     with DTensor's one all-reduce per mesh dim, and one process's norm of the same weights and batch."""
     from torch.distributed.tensor import _redistribute
 
-    from fabric_hsdp.gradients import clip_grad_norm
+    from fabric_hsdp.setup.gradients import clip_grad_norm
 
     targets = tokens.roll(-1, dims=1)
     for module in (model, reference):

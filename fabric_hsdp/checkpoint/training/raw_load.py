@@ -203,10 +203,10 @@ def load_into_model(
 ) -> LoadResult:
     """Load the model tensors of the checkpoint at ``path`` into ``module``'s shards (see the module docstring).
 
-    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`; ``"slice"`` and ``"turns"``),
-    the ``R`` replicas of each shard read ``1/R`` of its rows each and all-gather the rest along ``replicate``
-    (:func:`fabric_hsdp.checkpoint.training.replica_split.raw_part`): the file is read once per replica group, not ``R``
-    times.
+    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`; ``"slice"`` and
+    ``"turns"``), the ``R`` replicas of each shard read ``1/R`` of its rows each and all-gather the rest along
+    ``replicate`` (:func:`fabric_hsdp.checkpoint.training.replica_split.raw_part`): the file is read once per replica
+    group, not ``R`` times.
     """
     validate_load_mode(load_mode)
     # a LoRA model (peft, litgpt): base tensors by the base checkpoint's names, adapters optional

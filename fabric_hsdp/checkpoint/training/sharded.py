@@ -107,8 +107,8 @@ def load_sharded(
     """Restore the model, optimizers and plain values of ``state`` (sorted as ``checkpoint``) in place from a DCP
     directory, on any topology.
 
-    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`), replicas each read a ``1/R``
-    part of their shards and all-gather the rest (:mod:`fabric_hsdp.checkpoint.training.replica_split`).
+    With ``split_mesh`` (the strategy's :class:`~fabric_hsdp.topology.ParallelMesh`), replicas each read a
+    ``1/R`` part of their shards and all-gather the rest (:mod:`fabric_hsdp.checkpoint.training.replica_split`).
 
     Returns:
         What the checkpoint holds beyond what ``state`` asked for (Fabric's ``load`` semantics).

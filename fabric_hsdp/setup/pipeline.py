@@ -11,22 +11,22 @@ wrapper), so checkpoints saved with any lever load without it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from fabric_hsdp.adapters.init import refuse_unsupported_adapters
 from fabric_hsdp.adapters.quantized import refuse_quantized_base
 from fabric_hsdp.agreement import fail_together
-from fabric_hsdp.float8 import Float8Spec, apply_float8, validate_float8
-from fabric_hsdp.fsdp import (
+from fabric_hsdp.setup.activation_checkpointing import ActivationCheckpointingMode, apply_activation_checkpointing
+from fabric_hsdp.setup.compile import CompileSpec, apply_compile
+from fabric_hsdp.setup.float8 import Float8Spec, apply_float8, validate_float8
+from fabric_hsdp.setup.fsdp import (
     FSDPSettings,
     ModulePolicy,
     apply_fsdp,
@@ -37,13 +37,10 @@ from fabric_hsdp.fsdp import (
     offload_policy,
     sharded_units,
 )
-from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.materialize import make_replicas_identical, materialize_local_shards
-from fabric_hsdp.models.experts import recorded_routers
+from fabric_hsdp.setup.materialize import make_replicas_identical, materialize_local_shards
 from fabric_hsdp.topology import validate_tensor_parallel_size
 from fabric_hsdp.versions import (
     async_collective_tensor,
-    c10d_functional_ops,
     tree_map_only,
     wait_tensor,
 )
@@ -53,9 +50,6 @@ if TYPE_CHECKING:
     from fabric_hsdp.topology import ParallelMesh, Topology
 
 _logger = logging.getLogger(__name__)
-
-ActivationCheckpointingMode = Literal["full", "selective"] | int
-CompileSpec = bool | dict[str, Any]
 
 
 def validate_activation_checkpointing_mode(mode: ActivationCheckpointingMode) -> ActivationCheckpointingMode:
@@ -284,141 +278,3 @@ class _WaitCollective(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
-
-
-def apply_activation_checkpointing(
-    module: nn.Module, selected: Callable[[str, nn.Module], bool], mode: ActivationCheckpointingMode
-) -> list[str]:
-    """Recompute the activations of the modules ``selected`` picks in backward; return their names.
-
-    ``"full"``: each selected module keeps only its input and recomputes its forward in backward. ``"selective"``:
-    torchtitan's op-level policy -- the outputs of matmuls, attention and collectives are saved, everything else
-    (norms, activation functions, elementwise ops, RoPE) is recomputed. An int ``k``: full recompute of every
-    ``k``-th selected module (the ``k``-th, ``2k``-th, ...), the others keep their activations.
-
-    The checkpoint runs inside each module's forward (:func:`checkpointed_class`), as torchtitan's
-    ``checkpoint_wrapper`` does but without a wrapper module, so parameter names (and checkpoints) are unchanged.
-    """
-    checkpointed = [(name, child) for name, child in module.named_modules() if name and selected(name, child)]
-    if isinstance(mode, int):
-        checkpointed = [pair for index, pair in enumerate(checkpointed, start=1) if index % mode == 0]
-    for _, child in checkpointed:
-        child.__class__ = checkpointed_class(type(child), selective=mode == "selective")
-    if checkpointed:
-        disable_kv_cache(module, "activation checkpointing")
-        info_on_rank_zero(_logger, "activation checkpointing (%s): %d modules", mode, len(checkpointed))
-    return [name for name, _ in checkpointed]
-
-
-@functools.cache
-def checkpointed_class(cls: type[nn.Module], *, selective: bool) -> type[nn.Module]:
-    """A subclass of ``cls`` whose forward runs ``cls.forward`` under ``torch.utils.checkpoint`` (selective: with
-    :func:`selective_checkpoint_contexts`); one class per block class and mode, as ``fully_shard`` makes its own.
-
-    Inside the forward, not hooks around it: ``torch.compile`` of the block then traces the checkpoint and applies
-    the policy in its graph. With hooks around a compiled block (the composable ``checkpoint``), backward reran the
-    whole compiled forward whatever the mode: 4 compiled MLP blocks ran 32 matmuls in backward under ``selective``
-    (16 without activation checkpointing; 16 now).
-    """
-
-    # the context function named directly, not through a closure: dynamo refuses a context_fn it cannot see
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
-
-    def selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(
-            cls.forward, self, *args, use_reentrant=False, context_fn=selective_checkpoint_contexts, **kwargs
-        )
-
-    mode = "Selective" if selective else ""
-    return type(f"{mode}Checkpointed{cls.__name__}", (cls,), {"forward": selective_forward if selective else forward})
-
-
-def saved_ops() -> list[Any]:
-    """The ops whose outputs selective activation checkpointing keeps (torchtitan's list, plus the CPU kernels and
-    expert parallelism's token exchange)."""
-    import torch
-
-    aten, names = torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "max")
-    # _scaled_mm: float8's matmuls; max: float8's amax (its scales), else every float8 matmul is recomputed
-    ops = [getattr(aten, name).default for name in names]
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    ):
-        if hasattr(aten, name):
-            ops.append(getattr(aten, name).default)
-    functional = c10d_functional_ops()
-    for name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "all_to_all_single"):
-        if hasattr(functional, name):
-            ops.append(getattr(functional, name).default)
-    return ops
-
-
-def selective_checkpoint_contexts() -> tuple[Any, Any]:
-    """A fresh pair of selective-checkpoint contexts (one per forward): save :func:`saved_ops`, recompute the rest."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(saved_ops())
-
-
-def apply_compile(
-    module: nn.Module, units: list[tuple[str, nn.Module]], spec: CompileSpec, *, tensor_parallel: bool = False
-) -> list[str]:
-    """``torch.compile`` each FSDP unit (transformer block) of ``module`` on its own, in place (``Module.compile``),
-    with ``spec``'s options (``True``: torch's defaults); return the units' names.
-
-    Compiling per block keeps graphs small and lets identical blocks share one compiled graph (dynamo inlines the
-    module and treats its parameters as inputs); compiling in place keeps the module tree, so no ``_orig_mod.``
-    enters parameter names or checkpoints. A transformers MoE block's routers are called eagerly inside it
-    (:func:`eager_call_class`), the rest of the block compiled. Turns transformers' KV cache off
-    (:func:`disable_kv_cache`).
-    """
-    options = {} if spec is True else dict(spec)
-    if tensor_parallel:
-        # static shapes under TP unless asked otherwise: DTensor failed on the symbolic shapes that automatic dynamic
-        # brings after a shape change ("unhashable type: non-nested SymInt" in a transformers Llama's norm with
-        # sequence_parallel, while the first-layer split was traced); not reproduced since (the levers test trains at
-        # a second length with it off), kept as the cautious default: a new shape recompiles (up to recompile_limit)
-        options.setdefault("dynamic", False)
-    for _, child in units:
-        for router in recorded_routers(module, within=child):
-            router.__class__ = eager_call_class(type(router))
-        child.compile(**options)
-    info_on_rank_zero(_logger, "torch.compile: %d modules compiled one by one (%s)", len(units), options or "defaults")
-    disable_kv_cache(module, "torch.compile")
-    return [name for name, _ in units]
-
-
-@functools.cache
-def eager_call_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """A subclass of ``cls`` whose calls (forward and hooks) dynamo leaves eager: a graph break in a compiled block.
-
-    For the routers whose logits transformers 5.3 records for the load-balancing loss (``output_router_logits=True``):
-    its forward hook reads the collector with ``CompileableContextVar.get`` (``utils/output_capturing.py:108``),
-    which under dynamo returns the global (:76-79) that ``set`` fills only when it runs compiled itself (:82-86,
-    the whole model compiled). The model's forward sets the collector eagerly (:249), around our compiled blocks, so
-    the traced hook saw ``None`` and recorded nothing: ``out.router_logits == ()`` and ``load_balancing_loss_func``
-    raised ``IndexError`` at ``gate_logits[0]`` (``models/qwen3_moe/modeling_qwen3_moe.py:571``); the same with
-    ``Module.compile`` of each layer of a plain transformers model. Dynamo calls ``type(module).__call__``
-    (``torch/_dynamo/variables/nn_module.py``, ``UnspecializedNNModuleVariable.call_function``), so this class's
-    disabled ``__call__`` runs the router and its hook eagerly, where the hook reads the context variable.
-    """
-    return type(f"EagerCall{cls.__name__}", (cls,), {"__call__": torch.compiler.disable(cls.__call__)})
-
-
-def disable_kv_cache(module: nn.Module, lever: str) -> None:
-    """Turn off a transformers model's KV cache for training (``config.use_cache=False``), for two levers.
-
-    Activation checkpointing (as transformers' ``gradient_checkpointing`` does): the recomputation would append the
-    keys and values to the cache a second time. Compile: the cache's update is indexed by each layer's
-    ``layer_idx``, which dynamo guards on, so every block recompiles its own graph, and past dynamo's
-    ``recompile_limit`` (8) the remaining blocks run uncompiled (a 12-layer Llama: 8 graphs, 4 blocks eager;
-    with the cache off, 1 graph for all 12). An explicit ``model(..., use_cache=True)`` still uses it.
-    """
-    config = getattr(module, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
-        info_on_rank_zero(_logger, "%s: set %s.config.use_cache=False", lever, type(module).__name__)

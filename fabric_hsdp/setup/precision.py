@@ -1,5 +1,5 @@
 """Fabric's precision strings, one table: the dtype of the sharded state, of compute and gathers, and of the gradient
-reduction. FSDP2's ``MixedPrecisionPolicy`` (:mod:`fabric_hsdp.fsdp`) and the planner's bytes
+reduction. FSDP2's ``MixedPrecisionPolicy`` (:mod:`fabric_hsdp.setup.fsdp`) and the planner's bytes
 (:mod:`fabric_hsdp.planning.memory`) both read it, so they cannot disagree.
 
 Mixed precision keeps fp32 master shards and reduces gradients in fp32; "true" half precision built the parameters in

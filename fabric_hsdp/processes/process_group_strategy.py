@@ -16,7 +16,7 @@ from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_availa
 from torch import Tensor
 from typing_extensions import override
 
-from fabric_hsdp import distributed
+from fabric_hsdp.processes import distributed
 
 
 class ProcessGroupStrategy(ParallelStrategy):

@@ -1,5 +1,5 @@
 """Which modules become ``fully_shard`` units, and with what mixed precision and offload (``apply_fsdp``, the last
-step of :mod:`fabric_hsdp.parallelize`)."""
+step of :mod:`fabric_hsdp.setup.pipeline`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from fabric_hsdp import versions
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.precision import PRECISION_DTYPES
+from fabric_hsdp.setup.precision import PRECISION_DTYPES
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

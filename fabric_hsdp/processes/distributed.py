@@ -22,12 +22,12 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from fabric_hsdp import versions
-from fabric_hsdp.launchers import describe_launch
 from fabric_hsdp.logs import info_on_rank_zero
-from fabric_hsdp.rank_placement import check_rank_placement, gather_placements
+from fabric_hsdp.processes.launchers import describe_launch
+from fabric_hsdp.processes.rank_placement import check_rank_placement, gather_placements
 
 if TYPE_CHECKING:
-    from fabric_hsdp.launchers import Launcher
+    from fabric_hsdp.processes.launchers import Launcher
 
 _logger = logging.getLogger(__name__)
 RENDEZVOUS_NOTICE = 30.0  # seconds a rank waits for the others in init_process_group before each node's first says so
@@ -137,7 +137,7 @@ def choose_backend(device: torch.device, backend: str | None, cpu_offload: bool 
     them (replicas' broadcast, the gradient norm, full gathers for a save, rank 0 loads) need a CPU backend beside
     the accelerator's: ``"cpu:gloo,cuda:nccl"``, each tensor's collective served by its own device's backend.
     """
-    from fabric_hsdp.fsdp import offloads
+    from fabric_hsdp.setup.fsdp import offloads
 
     if backend:
         return backend

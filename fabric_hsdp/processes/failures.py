@@ -38,7 +38,7 @@ DEBUG_VARIABLE = "FABRIC_HSDP_DEBUG"
 REPORT_WAIT = 10.0  # seconds a rank waits for rank 0 to report the error before it reports its own
 _REPORTED, _HEARD = "fabric_hsdp/failures/reported", "fabric_hsdp/failures/heard"
 _USER_MISTAKES = (ValueError, TypeError, OSError, ImportError)
-_PACKAGE_DIRECTORY = Path(__file__).resolve().parent
+_PACKAGE_DIRECTORY = Path(__file__).resolve().parents[1]  # fabric_hsdp/
 
 
 def is_package_error(error: BaseException) -> bool:

@@ -1,7 +1,7 @@
 """Where the ranks run: the mesh assumes global ranks numbered node by node; check it once every rank is up.
 
-:class:`~fabric_hsdp.topology.Topology` puts ranks ``k * M .. k * M + M - 1`` (``M`` ranks per node) on node ``k``:
-tensor-parallel peers are consecutive ranks, a ``"node"`` shard group is one such block. The launcher's numbering
+:class:`~fabric_hsdp.topology.Topology` puts ranks ``k * M .. k * M + M - 1`` (``M`` ranks per node) on node
+``k``: tensor-parallel peers are consecutive ranks, a ``"node"`` shard group is one such block. The launcher's numbering
 stands, though (Lightning's environments for torchrun, SLURM, MPI and LSF ignore ``set_global_rank``), and ``srun
 --distribution=cyclic``, ``mpirun --map-by node`` or ``jsrun -d cyclic`` deal ranks out round-robin: the groups would
 span nodes and every layer's collectives cross the slow network, silently. Every rank exchanges its host and node
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fabric_hsdp.launchers import FABRIC_RUN, JSRUN, MPIRUN, SRUN, TORCHRUN, Launcher
+from fabric_hsdp.processes.launchers import FABRIC_RUN, JSRUN, MPIRUN, SRUN, TORCHRUN, Launcher
 
 _FIXES = {
     SRUN: "srun --distribution=block (SLURM's default: drop --distribution=cyclic, or unset SLURM_DISTRIBUTION)",

@@ -8,7 +8,7 @@ the signal reached them at different steps (or reached only some of them). The l
 rank, as any save) and calls :meth:`Preemption.requeue`: with ``requeue=True`` inside a SLURM batch job, global rank
 0 runs ``scontrol requeue $SLURM_JOB_ID`` and SLURM starts the job again, which resumes from that checkpoint::
 
-    from fabric_hsdp.preemption import Preemption
+    from fabric_hsdp.processes.preemption import Preemption
 
     preemption = Preemption(requeue=True)           # handlers for SIGUSR1 and SIGTERM, from now on
     for step in range(start, max_steps + 1):
