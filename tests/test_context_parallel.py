@@ -3,8 +3,9 @@
 A tiny transformers Llama and Qwen3-MoE on 2 simulated nodes x 2 ranks with ``context_parallel_size=2``, sequences
 packed with two documents each (position ids restarting inside the sequence) and unlabelled tokens (-100): three
 AdamW steps against one process running the whole sequences through transformers' own packed-sequence masking, by
-the suite's noise rule, the first step's gradients too. litgpt's Llama the same with one document per sequence (it
-takes no position ids).
+the suite's noise rule, the first step's gradients too. litgpt's Llama the same on the packed sequences as litgpt's
+own forward reads them: it takes no position ids and has no document mask, so its tokens attend across the border
+and RoPE numbers them 0 .. T - 1 in one process, and the split run must do the same (not restart at the border).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def packed(rows: int, documents: int = 2) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def _logits(model: torch.nn.Module, kind: str, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    if kind == "litgpt":  # no position ids: one document per sequence, the rank's positions known from its place
+    if kind == "litgpt":  # no position ids, no document mask: the packed sequence read as one, as litgpt does
         return model(inputs)
     # no cache: transformers builds the packed-document mask only without one (masking_utils)
     return model(inputs, position_ids=positions, use_cache=False).logits
@@ -134,7 +135,7 @@ def train(num_nodes: int, devices: int, kind: str, documents: int) -> dict[str, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("kind", "documents"), [("hf", 2), ("hf", 1), ("qwen3_moe", 2), ("litgpt", 1)])
+@pytest.mark.parametrize(("kind", "documents"), [("hf", 2), ("hf", 1), ("qwen3_moe", 2), ("litgpt", 2)])
 def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind, documents):
     # 2 documents: the mask from global indices and documents; 1: each chunk causal bottom-right, no mask made
     # litgpt: its attention class swapped, RoPE at the rank's positions from its place in the context group
