@@ -341,8 +341,8 @@ class HybridFSDPStrategy(ProcessGroupStrategy):
         (input ids, labels already shifted) cut to its head-tail chunks of ``T / 2C`` tokens, then their position
         ids (``position_ids``: a packed batch's own, restarting at 0 at each document; default ``0 .. T - 1``).
         Without context parallelism the tensors as they are and the position ids. Pass the position ids to the
-        model (litgpt's ``GPT`` takes none: ``model(input_ids)``, one document per sequence), and compute the loss
-        with :meth:`cross_entropy`::
+        model (litgpt's ``GPT`` takes none: ``model(input_ids)``; it reads a packed sequence as one), and compute the
+        loss with :meth:`cross_entropy`::
 
             input_ids, labels, position_ids = fabric.strategy.shard_sequence(input_ids, labels)
             logits = model(input_ids, position_ids=position_ids).logits

@@ -4,10 +4,11 @@ With ``context_parallel_size=C`` the ``C`` ranks of a context group take the sam
 ``T / C`` of its tokens (:func:`.sequence.shard_sequence`, head-tail chunks), so each rank's activations are those of
 ``T / C`` tokens. Everything but attention is per token; attention gathers the whole sequence's keys and values
 (:mod:`.attention`). transformers models run it through their own attention registry (``AttentionInterface``): no
-model code changes; litgpt's ``GPT`` through its attention classes and RoPE tables (:mod:`.litgpt`, one document
-per sequence). The loss of a rank is its tokens' share of the sequence's mean (:func:`cross_entropy`); FSDP then
-divides gradients by the data-parallel ranks only (``parallelize.divide_gradients_by_data_parallel_ranks``), so a
-run at ``C`` trains as the unsplit run. Parameters are sharded over ``shard`` as without it: checkpoints are unchanged.
+model code changes; litgpt's ``GPT`` through its attention classes and RoPE tables (:mod:`.litgpt`, a packed
+sequence read as one, as litgpt reads it). The loss of a rank is its tokens' share of the sequence's mean
+(:func:`cross_entropy`); FSDP then divides gradients by the data-parallel ranks only
+(``parallelize.divide_gradients_by_data_parallel_ranks``), so a run at ``C`` trains as the unsplit run. Parameters
+are sharded over ``shard`` as without it: checkpoints are unchanged.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ _logger = logging.getLogger(__name__)
 def apply_context_parallel(module: nn.Module, context_mesh: DeviceMesh) -> list[str]:
     """Route every attention of ``module`` through context-parallel attention over ``context_mesh``; return the
     attention modules' names. A transformers model through its attention registry (packed documents read from the
-    position ids, which every forward must pass); litgpt's ``GPT`` through :mod:`.litgpt` (one document per
-    sequence, no position ids).
+    position ids, which every forward must pass); litgpt's ``GPT`` through :mod:`.litgpt` (no position ids:
+    a packed sequence read as one, as litgpt's own forward reads it).
 
     Raises:
         ValueError: ``module`` is neither a transformers model nor litgpt's ``GPT``, or a litgpt config this does

@@ -1,16 +1,18 @@
 """Context parallelism for litgpt's ``GPT``: its attention over the gathered keys and values, RoPE at global positions.
 
 litgpt has no attention registry and its forward takes no position ids (``input_pos`` turns on the KV cache), so
-the rank's positions come from its place in the context group: one document per sequence, cut by
-:func:`.sequence.shard_sequence`, the rank holding :func:`.sequence.token_index`'s tokens. Two changes, both undone by
-nothing a checkpoint sees:
+the rank's positions come from its place in the context group: the sequence cut by :func:`.sequence.shard_sequence`,
+the rank holding :func:`.sequence.token_index`'s tokens. A packed sequence is read as litgpt's own forward reads it,
+which has no document mask and numbers the tokens ``0 .. T - 1``: its documents attend across their borders and
+RoPE does not restart (the position ids ``shard_sequence`` returns are not used). Two changes, both undone by nothing
+a checkpoint sees:
 
 - each attention's class becomes a subclass whose ``scaled_dot_product_attention`` gathers the keys and values over
   the context group and attends chunk by chunk (:func:`.attention.causal_attention`), with litgpt's own scale;
 - a forward pre-hook on the ``GPT`` puts the RoPE rows of the rank's positions in ``cos``/``sin`` for the forward
   (``GPT.forward`` reads ``cos[:T]``), and a forward hook puts the whole tables back, also when the forward raises.
 
-Refused: packed documents (no position ids to read them from), the KV cache (``input_pos``), attention logit
+Refused: the KV cache (``input_pos``), attention logit
 softcapping (litgpt's eager attention; no SDPA kernel takes it), sliding windows (litgpt builds a ``T x T`` mask of
 the local tokens), and attention classes other than ``CausalSelfAttention`` (``MultiheadLatentAttention``).
 """

@@ -10,7 +10,10 @@ The parameters are sharded over the whole shard group as without it. So, per ran
   too), plus the full-length keys and values each attention all-gathers, ``2 m s n_kv d_h b_a`` per layer: kept by
   every layer that keeps its activations (the attention saves its inputs for backward; selective checkpointing saves
   the all-gather outputs), and by the one layer full checkpointing recomputes at a time
-  (:func:`kept_key_value_layers`);
+  (:func:`kept_key_value_layers`). A layer that keeps all its activations keeps what the unsplit estimate counts
+  differently (:func:`split_attention_bytes`): not its local keys and values (the all-gather saves no input), but a
+  second copy of the attention output (each head-tail chunk is its own SDPA call, which saves its output; the output
+  projection reads their concatenation): ``m s / C (h - 2 n_kv d_h) b_a`` per such layer;
 * traffic, in the context group, per layer: a forward all-gather of K and V, ``2 (C - 1) / C m s n_kv d_h b_a`` sent
   per rank (a ring), the backward reduce-scatter of their gradients the same (on gloo an all-reduce, twice), and the
   all-gather again for each layer full checkpointing recomputes. Inside a node, and on the critical path: the
@@ -74,6 +77,20 @@ def gathered_key_value_bytes(model: ModelShape, training: Training, size: int) -
     if size == 1:
         return 0
     return kept_key_value_layers(training, model.dims.num_layers) * key_value_bytes(model, training)
+
+
+def split_attention_bytes(model: ModelShape, training: Training, size: int) -> int:
+    """What a rank's split attentions keep beyond the unsplit estimate at its ``s / C`` tokens (``training`` the
+    rank's :func:`local_training`), all layers: in each layer that keeps all its activations (not checkpointed, or
+    recomputed), a second copy of the attention output, ``h b_a`` per token, in place of the local keys and values,
+    ``2 n_kv d_h b_a`` (negative where those are wider). 0 without context parallelism."""
+    if size == 1:
+        return 0
+    dims = model.dims
+    checkpointed = training.checkpointed_layers(dims.num_layers)
+    whole_layers = dims.num_layers - checkpointed + (1 if checkpointed else 0)
+    per_token = (dims.hidden_size - 2 * dims.kv_size) * training.compute_bytes
+    return whole_layers * training.workload.tokens * per_token
 
 
 def gathers_per_layer(training: Training, num_layers: int) -> float:

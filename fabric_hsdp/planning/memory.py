@@ -39,7 +39,8 @@ The levers change that estimate:
   fp32 copies, a checkpointed layer's input, the row-wise outputs) are split by ``T`` too;
 * loss parallel (with TP): the logits and the loss stay vocabulary-sharded, ``V (b_a + 8) / T``;
 * context parallelism of degree ``C``: all of the above for the rank's ``s / C`` tokens of each sequence, plus the
-  full-length keys and values its attentions all-gathered (:mod:`~fabric_hsdp.planning.context`).
+  full-length keys and values its attentions all-gathered, and in each layer keeping all its activations a second
+  copy of the attention output in place of the local keys and values (:mod:`~fabric_hsdp.planning.context`).
 
 These lever estimates follow from the formulas above; benchmarks/levers.py measures the levers themselves.
 """
@@ -50,7 +51,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fabric_hsdp.planning.context import gathered_key_value_bytes, local_training
+from fabric_hsdp.planning.context import gathered_key_value_bytes, local_training, split_attention_bytes
 from fabric_hsdp.planning.experts import is_fused_expert, received_tokens_bytes
 from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims
 from fabric_hsdp.setup.precision import PRECISION_DTYPES, PrecisionDtypes, canonical_precision
@@ -359,7 +360,8 @@ def activation_bytes(
     (:mod:`~fabric_hsdp.planning.context`)."""
     gathered = gathered_key_value_bytes(model, training, context_parallel_size)
     local = local_training(training, context_parallel_size)
-    return gathered + _local_activation_bytes(model, local, tensor_parallel_size)
+    split = split_attention_bytes(model, local, context_parallel_size)
+    return gathered + split + _local_activation_bytes(model, local, tensor_parallel_size)
 
 
 def _local_activation_bytes(model: ModelShape, training: Training, tensor_parallel_size: int) -> int:

@@ -2187,6 +2187,43 @@ PLANTS: dict[str, Plant] = {
             "tests/planning/test_context_parallel_plan.py::test_the_128k_plan_proposes_context_parallelism_where_nothing_fits_without_it",
         ),
     ),
+    "42p8": Plant(
+        "the planner's context dim: a split attention keeps a second output copy, not its local K and V (#42)",
+        "a context-parallel layer that keeps its activations counted as the unsplit estimate at s / C tokens",
+        (("    split = split_attention_bytes(model, local, context_parallel_size)\n", "    split = 0\n"),),
+        (
+            "tests/planning/test_context_parallel_plan.py::test_activations_are_those_of_seq_len_over_c_tokens_plus_the_gathered_keys_and_values",
+        ),
+    ),
+    "42m1": Plant(
+        "the planner's activations within 15 % of the measured peak at CP 1 and 2 (#42)",
+        "the output head's estimate without the loss's backward: the logits only, not the log-probabilities and their"
+        " gradient",
+        (
+            (
+                "    head = tokens * dims.vocab_size * (element + 8) / vocabulary\n",
+                "    head = tokens * dims.vocab_size * element / vocabulary\n",
+            ),
+        ),
+        (
+            "tests/test_context_parallel.py::test_a_rank_peaks_at_most_0_6_of_the_activations_at_context_parallel_2_within_15_percent_of_the_planner",
+        ),
+        expect="pytest.approx(peak, rel=0.15)",
+    ),
+    "42m2": Plant(
+        "a context-parallel rank's peak activations at most 0.6x of CP 1's (#42)",
+        "each rank of a context group runs the whole sequences (shard_sequence cuts nothing)",
+        (
+            (
+                "    return tuple(tensor[:, index] for tensor in (*tensors, position_ids))\n",
+                "    return (*tensors, position_ids)\n",
+            ),
+        ),
+        (
+            "tests/test_context_parallel.py::test_a_rank_peaks_at_most_0_6_of_the_activations_at_context_parallel_2_within_15_percent_of_the_planner",
+        ),
+        expect="0.6 *",
+    ),
     "42x1": Plant(
         "the fine-tune example under context parallelism reports the unsplit run's validation loss (#42)",
         "each rank counts the whole windows' tokens for its part's loss sum: the validation loss C times too small",
@@ -2215,6 +2252,6 @@ PLANTS: dict[str, Plant] = {
                 "        module.cos, module.sin = module.cos[:tokens], module.sin[:tokens]\n",
             ),
         ),
-        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process[litgpt-1]",),
+        ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process[litgpt-2]",),
     ),
 }

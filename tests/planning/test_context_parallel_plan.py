@@ -49,15 +49,21 @@ def test_llama31_8b_gathers_403_mb_of_keys_and_values_per_layer_forward_at_128k_
     assert gloo.intra_by_dim[CONTEXT_DIM] == 32 * 3 * 402_653_184
 
 
-@pytest.mark.parametrize(("mode", "kept_layers"), [("none", 32), ("selective", 32), ("full", 1)])
-def test_activations_are_those_of_seq_len_over_c_tokens_plus_the_gathered_keys_and_values(llama3_8b, mode, kept_layers):
+@pytest.mark.parametrize(
+    ("mode", "kept_layers", "whole_layers"), [("none", 32, 32), ("selective", 32, 1), ("full", 1, 1)]
+)
+def test_activations_are_those_of_seq_len_over_c_tokens_plus_the_gathered_keys_and_values(
+    llama3_8b, mode, kept_layers, whole_layers
+):
     """A rank of a context group of 8 keeps the activations of 131072 / 8 = 16384 tokens, plus one layer's gathered
     K and V (2 s n_kv d_h b_a = 536,870,912 bytes) per layer that keeps it: all 32 without recompute (the attention
-    saves them) and under selective recompute (the all-gather outputs are saved), the recomputed one under full."""
+    saves them) and under selective recompute (the all-gather outputs are saved), the recomputed one under full.
+    A layer that keeps everything (all 32 without recompute, the recomputed one otherwise) keeps a second copy of
+    the attention output instead of its local K and V: 16384 x (4096 - 2 x 1024) x 2 = 67,108,864 bytes."""
     training = Training("bf16-mixed", Workload(1, LONG), mode != "none", activation_checkpointing_mode=mode)
     short = Training("bf16-mixed", Workload(1, LONG // 8), mode != "none", activation_checkpointing_mode=mode)
     split = activation_bytes(llama3_8b, training, 1, 8)
-    assert split == activation_bytes(llama3_8b, short) + kept_layers * 536_870_912
+    assert split == activation_bytes(llama3_8b, short) + kept_layers * 536_870_912 + whole_layers * 67_108_864
     assert split < activation_bytes(llama3_8b, training) / 4
     # the sharded state is the shard group's as without context parallelism
     with_cp, without = memory_per_device(llama3_8b, training, 8, 1, 1, 8), memory_per_device(llama3_8b, training, 8, 1)
