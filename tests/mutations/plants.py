@@ -2254,4 +2254,47 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/test_context_parallel.py::test_packed_sequences_split_over_two_ranks_train_as_one_process[litgpt-2]",),
     ),
+    "42r1": Plant(
+        "a save under context parallelism resumes at another context_parallel_size exactly (#42)",
+        "a sharded load restores AdamW's exp_avg_sq rounded through bf16",
+        (
+            (
+                "            set_optimizer_state_dict(self.model, optimizer, tensors[key])\n",
+                "            set_optimizer_state_dict(self.model, optimizer, tensors[key])\n"
+                "            for entries in optimizer.state.values():\n"
+                "                if 'exp_avg_sq' in entries:\n"
+                "                    entries['exp_avg_sq'].copy_(entries['exp_avg_sq'].bfloat16().float())\n",
+            ),
+        ),
+        ("tests/test_context_parallel.py::test_a_save_at_context_parallel_2_resumes_at_1_exactly",),
+        expect="'moments': ['exp_avg_sq']",
+    ),
+    "42c5": Plant(
+        "compiled blocks under context parallelism train as one process (#42)",
+        "traced by dynamo, the gathered keys carry no gradient back to the ranks that computed them",
+        (
+            (
+                "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n",
+                "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n"
+                "    if torch.compiler.is_compiling():\n"
+                "        keys = keys.detach()\n",
+            ),
+        ),
+        ("tests/test_context_parallel.py::test_compiled_blocks_and_bf16_mixed_under_context_parallelism",),
+        expect='facts["compiled"]',
+    ),
+    "42c6": Plant(
+        "bf16-mixed under context parallelism trains as fp32 within bf16's rounding (#42)",
+        "in bf16 the gathered keys carry no gradient back to the ranks that computed them",
+        (
+            (
+                "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n",
+                "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n"
+                "    if key.dtype == torch.bfloat16:\n"
+                "        keys = keys.detach()\n",
+            ),
+        ),
+        ("tests/test_context_parallel.py::test_compiled_blocks_and_bf16_mixed_under_context_parallelism",),
+        expect='facts["bf16"]',
+    ),
 }
