@@ -70,9 +70,7 @@ def test_a_rank_that_fails_while_starting_destroys_its_process_group_before_the_
     check (it raises once the group exists) leaves no group for the interpreter's teardown to destroy. Left to that
     teardown, a rank aborted once in CI ("terminate called without an active exception", SLURM's task state
     "Aborted", in the ``srun --distribution=cyclic`` test)."""
-    result = launch(
-        "tests.test_clean_exit:fail_while_starting", {"out": str(tmp_path)}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"}
-    )
+    result = launch(fail_while_starting, {"out": str(tmp_path)}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"})
     assert not result.timed_out and result.returncodes == [1, 1, 1, 1], [r.stderr[-800:] for r in result.ranks]
     assert all("numbered the global ranks across nodes (planted)" in r.stderr for r in result.ranks)
     alive_at_exit = sorted(file.read_text() for file in tmp_path.iterdir())

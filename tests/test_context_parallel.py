@@ -139,7 +139,7 @@ def train(num_nodes: int, devices: int, kind: str, documents: int) -> dict[str, 
 def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind, documents):
     # 2 documents: the mask from global indices and documents; 1: each chunk causal bottom-right, no mask made
     # litgpt: its attention class swapped, RoPE at the rank's positions from its place in the context group
-    launched = launch("tests.test_context_parallel:train", {"kind": kind, "documents": documents}, timeout=240)
+    launched = launch(train, {"kind": kind, "documents": documents}, timeout=240)
     for rank, facts in enumerate(launched.check().values):
         assert facts["replicas"] == 2  # 4 ranks, context groups of 2: two data-parallel ranks
         tolerance = max(GRADIENT_NOISE_FACTOR * facts["gradient_floor"], MIN_GRADIENT)
@@ -200,7 +200,7 @@ def misuse(num_nodes: int, devices: int) -> dict[str, str]:
 
 @pytest.mark.timeout(120)
 def test_misuse_is_refused_saying_what_to_do():
-    for said in launch("tests.test_context_parallel:misuse", timeout=90).check().values:
+    for said in launch(misuse, timeout=90).check().values:
         assert "litgpt's attention with attention_logit_softcapping=50.0" in said["litgpt softcapping"], said
         assert "a sequence of 32, longer than the model's max_seq_length (16)" in said["litgpt too long"], said
         assert "trains without its KV cache" in said["litgpt kv cache"], said
@@ -252,7 +252,7 @@ def test_a_rank_peaks_at_most_0_6_of_the_activations_at_context_parallel_2_withi
     shape = model_shape_of_module(build("hf"))
     training = Training("32-true", Workload(1, LONG))
     planned = {f"cp{size}": activation_bytes(shape, training, 1, size) for size in (1, 2)}
-    for peaks in launch("tests.test_context_parallel:peak_activations", num_nodes=1, timeout=90).check().values:
+    for peaks in launch(peak_activations, num_nodes=1, timeout=90).check().values:
         assert peaks["cp2"] <= 0.6 * peaks["cp1"], peaks
         for label, peak in peaks.items():
             assert planned[label] == pytest.approx(peak, rel=0.15), (label, planned, peaks)
@@ -287,7 +287,7 @@ def save_and_resume(num_nodes: int, devices: int, path: str) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_a_save_at_context_parallel_2_resumes_at_1_exactly(tmp_path):
     args = {"path": str(tmp_path / "checkpoint")}
-    for differ in launch("tests.test_context_parallel:save_and_resume", args, timeout=90).check().values:
+    for differ in launch(save_and_resume, args, timeout=90).check().values:
         assert differ == {"model": [], "moments": []}, differ
 
 
@@ -322,9 +322,7 @@ def first_gradients(num_nodes: int, devices: int, variants: dict[str, dict[str, 
 @pytest.mark.timeout(300)
 def test_compiled_blocks_and_bf16_mixed_under_context_parallelism():
     variants = {"compiled": {"compile": True}, "bf16": {"precision": "bf16-mixed"}}
-    for facts in (
-        launch("tests.test_context_parallel:first_gradients", {"variants": variants}, timeout=240).check().values
-    ):
+    for facts in launch(first_gradients, {"variants": variants}, timeout=240).check().values:
         # each block compiled (the attention's all-gathers inside the graph): fp32 gradients as one process's
         assert facts["compiled"]["gradients"]["value"] < MIN_GRADIENT, facts
         # bf16 compute against fp32, at a tiny model's bf16 rounding (measured: gradients 3.3e-3, loss 2.6e-5)

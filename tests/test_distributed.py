@@ -71,7 +71,7 @@ def test_ranks_waiting_for_a_node_that_never_started_say_so_once_per_node():
 
     from tests.helpers.launch import launch
 
-    result = launch("tests.test_distributed:wait_for_a_missing_node", {"timeout": 12}, num_nodes=1, timeout=100)
+    result = launch(wait_for_a_missing_node, {"timeout": 12}, num_nodes=1, timeout=100)
     assert result.returncodes == [1, 1], result.returncodes
     said = [line for rank in result.ranks for line in rank.stderr.splitlines() if "waiting since" in line]
     assert len(said) == 1 and said[0] in result.ranks[0].stderr, said  # node 0's local rank 0, once

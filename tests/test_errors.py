@@ -87,7 +87,7 @@ def test_a_package_error_ends_the_job_with_one_line_on_rank_zero():
     """#34: 4 ranks printed 4 tracebacks of the same ValueError; rank 0 now prints its one line, the others nothing."""
     from tests.helpers.launch import launch
 
-    result = launch("tests.test_errors:fail_in_set_up", {"failure": "bad shard_size"}, timeout=100, fail_grace=60)
+    result = launch(fail_in_set_up, {"failure": "bad shard_size"}, timeout=100, fail_grace=60)
     output = _combined_output(result)
     assert not result.timed_out and result.returncodes == [1, 1, 1, 1], output
     reason = [line for line in output.splitlines() if "shard_size(3) does not divide WORLD_SIZE(4)" in line]
@@ -105,7 +105,7 @@ def test_the_traceback_stays_with_fabric_hsdp_debug_and_for_errors_not_of_the_pa
     from tests.helpers.launch import launch
 
     debug = launch(
-        "tests.test_errors:fail_in_set_up",
+        fail_in_set_up,
         {"failure": "bad shard_size"},
         num_nodes=1,
         timeout=100,
@@ -115,7 +115,7 @@ def test_the_traceback_stays_with_fabric_hsdp_debug_and_for_errors_not_of_the_pa
     for rank in debug.ranks:
         assert rank.returncode == 1 and "Traceback" in rank.stderr, rank.stderr
         assert "ValueError: shard_size(3) does not divide" in rank.stderr and "fabric-hsdp: error" not in rank.stderr
-    own = launch("tests.test_errors:fail_in_set_up", {"failure": "script"}, num_nodes=1, timeout=100, fail_grace=60)
+    own = launch(fail_in_set_up, {"failure": "script"}, num_nodes=1, timeout=100, fail_grace=60)
     for rank in own.ranks:
         assert rank.returncode == 1 and 'KeyError: "the script\'s own error"' in rank.stderr, rank.stderr
         assert "Traceback" in rank.stderr and "fabric-hsdp: error" not in rank.stderr
@@ -125,7 +125,7 @@ def test_the_traceback_stays_with_fabric_hsdp_debug_and_for_errors_not_of_the_pa
 def test_a_package_error_on_one_rank_alone_is_reported_by_that_rank():
     from tests.helpers.launch import launch
 
-    result = launch("tests.test_errors:fail_in_set_up", {"failure": "rank 1 alone"}, num_nodes=1, timeout=100)
+    result = launch(fail_in_set_up, {"failure": "rank 1 alone"}, num_nodes=1, timeout=100)
     assert result.returncodes == [0, 1], _combined_output(result)
     reported = [line for line in _combined_output(result).splitlines() if "fabric-hsdp: error" in line]
     assert len(reported) == 1 and reported[0] in result.ranks[1].stderr, _combined_output(result)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.launch import REPO_ROOT, launch
+from tests.helpers.training import finetune
 
 sys.path.insert(0, str(REPO_ROOT))
 from examples.finetune import detect_format, export_model, layout_line, load_tokenizer, read_documents  # noqa: E402
@@ -251,7 +252,7 @@ def test_finetune_resumes_from_its_sharded_checkpoint_exactly(main_job, tmp_path
     shutil.rmtree(out_dir / "export")
     straight = json.loads((out_dir / "export_check.json").read_text())["fine_tuned_val_loss"]
     args = {"checkpoint_dir": str(main_job / "models" / "tiny-llama-litgpt"), "out_dir": str(out_dir)}
-    launched = launch("tests.helpers.training:finetune", {"args": {**args, "max_steps": 4, "save_every": 2}})
+    launched = launch(finetune, {"args": {**args, "max_steps": 4, "save_every": 2}})
     output = launched.check().ranks[0].stdout
     assert f"resumed from {out_dir / 'checkpoints' / 'step-000002'} (step 2)" in output
     assert "step 0: val loss" not in output and "step 3/4: train loss" in output
@@ -271,7 +272,7 @@ def tiny_models(tmp_path_factory) -> tuple[Path, Path]:
 def _finetune(checkpoint_dir: Path, out_dir: Path) -> tuple[list[int | None], str, str]:
     """examples/finetune.py on 1 node x 2 ranks: the exit codes, the combined output and rank 0's stderr."""
     args = {"checkpoint_dir": str(checkpoint_dir), "out_dir": str(out_dir), "max_steps": 2, "export": False}
-    result = launch("tests.helpers.training:finetune", {"args": args}, num_nodes=1, timeout=150, fail_grace=60)
+    result = launch(finetune, {"args": args}, num_nodes=1, timeout=150, fail_grace=60)
     return result.returncodes, "".join(rank.stdout + rank.stderr for rank in result.ranks), result.ranks[0].stderr
 
 
@@ -338,7 +339,7 @@ def test_finetune_stops_before_step_1_when_out_dir_is_unwritable(tiny_models, tm
 def test_finetune_says_each_fact_of_the_job_once(tiny_models, tmp_path):
     """#34: every node's local rank 0 printed every line (fabric.print): one copy per node. 2 nodes x 2 ranks here."""
     args = {"checkpoint_dir": str(tiny_models[1]), "out_dir": str(tmp_path), "max_steps": 1, "export": False}
-    result = launch("tests.helpers.training:finetune", {"args": args}, timeout=200).check()
+    result = launch(finetune, {"args": args}, timeout=200).check()
     output = "".join(rank.stdout + rank.stderr for rank in result.ranks)
     for fact in ("4 ranks = 2 node(s) x 2", "tokenizer: litgpt.Tokenizer", "ready in", "step 1/1: train loss", "done:"):
         assert len([line for line in output.splitlines() if line.startswith(fact)]) == 1, (fact, output)
@@ -350,9 +351,7 @@ def _finetune_losses(checkpoint_dir: Path, out_dir: Path, num_nodes: int, device
     the validation losses and the probe's logits it recorded for the export's check."""
     args = {"checkpoint_dir": str(checkpoint_dir), "out_dir": str(out_dir), "max_steps": 3, "save_every": 0}
     args.update(batch_size=2, seq_len=32, max_val_windows=5, parallel=parallel)
-    output = launch(
-        "tests.helpers.training:finetune", {"args": args}, num_nodes=num_nodes, ranks_per_node=devices, timeout=200
-    ).check()
+    output = launch(finetune, {"args": args}, num_nodes=num_nodes, ranks_per_node=devices, timeout=200).check()
     stdout = output.ranks[0].stdout
     record = torch.load(out_dir / "export_check.pt", weights_only=True)
     return {

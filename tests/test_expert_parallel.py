@@ -114,7 +114,7 @@ def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", moe.FUSED_KINDS)
 def test_three_steps_with_accumulation_and_recompute_match_one_process(kind):
-    values = launch("tests.test_expert_parallel:train", {"kind": kind}, timeout=240).check().values
+    values = launch(train, {"kind": kind}, timeout=240).check().values
     for rank, facts in enumerate(values):
         gradient_tolerance = max(GRADIENT_NOISE_FACTOR * facts["gradient_floor"], MIN_GRADIENT)
         for label in VARIANTS:
@@ -178,7 +178,7 @@ def test_a_rank_whose_experts_get_no_token_takes_part_and_gets_zero_gradients(im
     # transformers' experts forwards: eager loops over the experts that got rows (none: no use of the weights),
     # grouped_mm multiplies by all of them
     args = {"kind": "qwen3_moe", "implementation": implementation}
-    values = launch("tests.test_expert_parallel:one_rank_gets_every_token", args, timeout=90)
+    values = launch(one_rank_gets_every_token, args, timeout=90)
     for facts in values.check().values:
         assert facts["gradients"]["value"] < 1e-6, facts
 
@@ -218,7 +218,7 @@ def rows_of_each_expert(num_nodes: int, devices: int, kind: str) -> dict[str, An
 
 @pytest.mark.timeout(120)
 def test_experts_split_by_rows_where_expert_shards_outnumber_a_ranks_experts():
-    launched = launch("tests.test_expert_parallel:rows_of_each_expert", {"kind": "qwen3_moe"}, num_nodes=1,
+    launched = launch(rows_of_each_expert, {"kind": "qwen3_moe"}, num_nodes=1,
                       ranks_per_node=4, timeout=90)  # fmt: skip
     for facts in launched.check().values:
         assert facts["gradients"]["value"] < 1e-6, facts
@@ -269,7 +269,7 @@ def test_compiled_blocks_and_bf16_mixed_under_expert_parallelism():
         "ep1 bf16": {"expert_parallel_size": 1, "precision": "bf16-mixed"},
     }
     args = {"kind": "qwen3_moe", "variants": variants}
-    for facts in launch("tests.test_expert_parallel:first_gradients", args, timeout=240).check().values:
+    for facts in launch(first_gradients, args, timeout=240).check().values:
         # each block compiled, the experts' exchange left eager inside it: fp32 gradients as one process's
         assert facts["ep2 compiled"]["experts_class"] == "FSDPExpertParallelQwen3MoeExperts", facts
         assert facts["ep2 compiled"]["gradients"]["value"] < MIN_GRADIENT, facts

@@ -49,7 +49,7 @@ def float8_steps(num_nodes: int, devices: int, all_gather: bool) -> dict:
 def test_tensorwise_float8_gathers_in_float8_with_scales_precomputed_and_trains_as_per_layer():
     runs = {}
     for all_gather in (True, False):
-        runs[all_gather] = launch("tests.test_float8:float8_steps", {"all_gather": all_gather}).check().values
+        runs[all_gather] = launch(float8_steps, {"all_gather": all_gather}).check().values
     for with_gather, per_layer in zip(runs[True], runs[False], strict=True):
         assert with_gather["layers"] == 14 and all(with_gather["cast"]), with_gather  # 7 linears per block, 2 blocks
         assert all(with_gather["precomputed"]), with_gather  # the scales for the next step, after this one

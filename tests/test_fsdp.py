@@ -76,7 +76,7 @@ def test_a_forward_without_gradients_leaves_the_model_sharded(reshard_after_forw
     forward, so an optimizer made then held unsharded tensors and setup_optimizers refused it."""
     from tests.helpers.launch import launch
 
-    result = launch("tests.test_fsdp:forward_without_gradients_first", {"reshard_after_forward": reshard_after_forward})
+    result = launch(forward_without_gradients_first, {"reshard_after_forward": reshard_after_forward})
     for facts in result.check().values:
         assert facts["plain_after_eval"] == [] and facts["plain_after_steps"] == [], facts
         assert facts["losses"][1] < facts["losses"][0]
@@ -120,7 +120,7 @@ def test_embedding_and_head_are_units_of_their_own_so_the_embedding_is_freed_aft
     from tests.helpers.launch import launch
 
     units, gathered = UNITS[kind]
-    values = launch("tests.test_fsdp:units_and_gathered_bytes", {"kind": kind}, num_nodes=1, ranks_per_node=2)
+    values = launch(units_and_gathered_bytes, {"kind": kind}, num_nodes=1, ranks_per_node=2)
     for facts in values.check().values:
         assert facts["units"] == units
         # after the forward only the last unit (final norm + head, which the backward starts with) is gathered

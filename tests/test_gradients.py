@@ -43,7 +43,7 @@ def held_gradient_bytes(num_nodes: int, devices: int) -> dict:
 
 
 def test_accumulating_micro_batches_holds_only_this_ranks_shard_of_the_gradients():
-    values = launch("tests.test_gradients:held_gradient_bytes").check().values
+    values = launch(held_gradient_bytes).check().values
     for facts in values:
         assert facts["unsharded"] == 0, facts  # Lightning's FSDP2 control: the whole model's gradients, every rank
         # each of the 2 ranks of a shard group holds its half (plus FSDP's padding of uneven rows)
@@ -127,7 +127,7 @@ def test_kept_gathered_weights_are_gathered_once_per_step_and_train_as_one_proce
 
     accumulate = 3
     arguments = {"accumulate": accumulate, "layout": layout}
-    values = launch("tests.test_gradients:gathers_while_accumulating", arguments).check().values
+    values = launch(gathers_while_accumulating, arguments).check().values
     for facts in values:
         resharded, kept = facts[False], facts[True]
         # FSDP2's default: every micro-batch gathers the units in its forward, and the layers (resharded after

@@ -86,6 +86,6 @@ def test_a_launch_whose_port_another_process_took_starts_again_on_another(monkey
         lost = taken.getsockname()[1]
         answers, real = iter([lost]), launch.free_port
         monkeypatch.setattr(launch, "free_port", lambda: next(answers, None) or real())
-        result = launch.launch("tests.test_helpers:rendezvous_port", num_nodes=1, ranks_per_node=2, timeout=120)
+        result = launch.launch(rendezvous_port, num_nodes=1, ranks_per_node=2, timeout=120)
     ports = result.check().values
     assert ports[0] == ports[1] != lost, (ports, lost)

@@ -16,7 +16,7 @@ from tests.helpers.training import VOCAB, hf_config, make_fabric
 
 def test_shards_in_cpu_memory_under_a_cuda_root_device_get_their_own_random_values():
     # CPU offload on CUDA: the mesh and root device are CUDA's, the shards live in CPU memory (stood in on gloo)
-    for facts in launch("tests.test_init:seeding_on_offloaded_shards", num_nodes=1).check().values:
+    for facts in launch(seeding_on_offloaded_shards, num_nodes=1).check().values:
         assert facts["local_device"] == "cpu"
         assert facts["parts_differ"], facts
         # nn.Linear's kaiming-uniform init of a [96, 64] weight: std = 1/sqrt(3 * 64)
@@ -25,7 +25,7 @@ def test_shards_in_cpu_memory_under_a_cuda_root_device_get_their_own_random_valu
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_transformers_models_get_their_own_init_not_torch_defaults(tensor_parallel_size):
-    result = launch("tests.test_init:transformers_init", {"tensor_parallel_size": tensor_parallel_size})
+    result = launch(transformers_init, {"tensor_parallel_size": tensor_parallel_size})
     facts = result.check().values[0]
     sharded, reference = facts["sharded"], facts["from_config"]
     assert sharded.keys() == reference.keys()

@@ -38,7 +38,7 @@ def test_levers_train_like_one_process_and_checkpoint_like_plain(nodes, per_node
         args["bugs"] = ["no_replicate_allreduce"]  # the criterion's control: replicas that never sync must fail it
     else:
         args["recompute"] = [None, "full", "selective", 2]
-    values = launch("tests.test_levers:levers", args, num_nodes=nodes, ranks_per_node=per_node, timeout=840)
+    values = launch(levers, args, num_nodes=nodes, ranks_per_node=per_node, timeout=840)
     values = values.check().values
     facts = values[0]
     for label, result in facts["parity"].items():

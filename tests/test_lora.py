@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch
-from tests.helpers.training import batch, litgpt_config, logits_of, tiny_hf_llama, tiny_litgpt
+from tests.helpers.training import batch, finetune, litgpt_config, logits_of, tiny_hf_llama, tiny_litgpt
 
 pytestmark = pytest.mark.slow
 
@@ -218,9 +218,9 @@ def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         directory = tmp_path_factory.mktemp(kind)
         base = base_checkpoint(kind, directory)
         args = {"kind": kind, "base": str(base), "out": str(directory)}
-        trained = launch("tests.test_lora:train_lora", {**args, "state_dict_type": "sharded"}, timeout=300)
-        trained_full = launch("tests.test_lora:train_lora", {**args, "state_dict_type": "full"}, timeout=300)
-        resumed = launch("tests.test_lora:resume_lora", args, num_nodes=1, ranks_per_node=2, timeout=300)
+        trained = launch(train_lora, {**args, "state_dict_type": "sharded"}, timeout=300)
+        trained_full = launch(train_lora, {**args, "state_dict_type": "full"}, timeout=300)
+        resumed = launch(resume_lora, args, num_nodes=1, ranks_per_node=2, timeout=300)
         runs[kind] = {
             "base": base,
             "out": directory,
@@ -444,7 +444,7 @@ def test_a_frozen_base_is_held_in_bf16_under_bf16_mixed_while_adapters_train_in_
     from fabric_hsdp.planning.memory import memory_per_device
 
     base = base_checkpoint("peft", tmp_path)
-    facts = launch("tests.test_lora:frozen_base_in_bf16", {"base": str(base)}, timeout=300).check().values[0]
+    facts = launch(frozen_base_in_bf16, {"base": str(base)}, timeout=300).check().values[0]
     adapters = {name for name in facts["dtypes"] if "lora_" in name}
     frozen = {name: dtype for name, dtype in facts["dtypes"].items() if name not in adapters}
     assert adapters and set(frozen.values()) == {torch.bfloat16}  # no fp32 master copy of the base
@@ -517,7 +517,7 @@ def test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and
     source, out_dir = _example_source(kind, tmp_path), tmp_path / "out"
     args = {"checkpoint_dir": str(source), "out_dir": str(out_dir), "max_steps": 4, "save_every": 2, "seq_len": 16}
     args.update(batch_size=2, learning_rate=1e-2, lora_r=4)
-    output = launch("tests.helpers.training:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
+    output = launch(finetune, {"args": args}, timeout=240).check().ranks[0].stdout
     assert "LoRA r=4" in output
     stored = FileSystemReader(str(out_dir / "checkpoints" / "step-000002")).read_metadata().state_dict_metadata
     model_keys = [key for key in stored if key.startswith("model.")]
@@ -531,7 +531,7 @@ def test_finetune_example_with_lora_r_keeps_adapter_only_checkpoints_resumes_and
 
     shutil.rmtree(out_dir / "checkpoints" / "step-000004")
     shutil.rmtree(out_dir / "export")
-    output = launch("tests.helpers.training:finetune", {"args": args}, timeout=240).check().ranks[0].stdout
+    output = launch(finetune, {"args": args}, timeout=240).check().ranks[0].stdout
     assert f"resumed from {out_dir / 'checkpoints' / 'step-000002'} (step 2)" in output
     resumed = torch.load(out_dir / "export_check.pt", weights_only=True)["validation"]["val_loss"]
     assert resumed == record["validation"]["val_loss"]  # the adapters and AdamW state came back exactly
@@ -577,7 +577,7 @@ def merge_that_fails(num_nodes: int, devices: int, out: str) -> dict:
 @pytest.mark.timeout(200)
 def test_a_merge_that_fails_ends_every_rank_with_the_error(tmp_path):
     args = {"out": str(tmp_path)}
-    result = launch("tests.test_lora:merge_that_fails", args, num_nodes=1, ranks_per_node=2, timeout=150).check()
+    result = launch(merge_that_fails, args, num_nodes=1, ranks_per_node=2, timeout=150).check()
     for facts in result.values:
         assert facts["error"] == "RuntimeError: planted failure in get_lora_AB" and not facts["written"], facts
 

@@ -64,7 +64,7 @@ LAYERS = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer",
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", moe.KINDS)
 def test_three_steps_match_one_process_with_each_rank_routing_its_own_batch(kind):
-    values = launch("tests.test_moe:train", {"kind": kind}, timeout=240).check().values
+    values = launch(train, {"kind": kind}, timeout=240).check().values
     for rank, facts in enumerate(values):
         assert not beyond_noise(facts["ours"], facts["floor"]), (rank, facts["ours"], facts["floor"])
         # each decoder layer is one unit with its experts inside (no expert a unit of its own), plus the
@@ -86,7 +86,7 @@ def refuse_tensor_parallel(num_nodes: int, devices: int, kind: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_tensor_parallel_auto_plan_is_refused_saying_which_sizes_work():
-    values = launch("tests.test_moe:refuse_tensor_parallel", {"kind": "qwen3_moe"}, timeout=90).check().values
+    values = launch(refuse_tensor_parallel, {"kind": "qwen3_moe"}, timeout=90).check().values
     for message in values:
         assert "no plan for mixture-of-experts layers (model.layers.0.mlp.experts: Qwen3MoeExperts with 4" in message
         assert "tensor_parallel_size=1 works" in message, message

@@ -78,7 +78,7 @@ def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compiled_blocks_train_with_the_router_aux_loss_as_one_eager_process():
-    values = launch("tests.test_moe_compile:train", {"kind": "qwen3_moe"}, timeout=240).check().values
+    values = launch(train, {"kind": "qwen3_moe"}, timeout=240).check().values
     for rank, facts in enumerate(values):
         expected = facts["expected"]
         for label in VARIANTS:

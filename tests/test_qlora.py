@@ -43,7 +43,7 @@ def set_up_quantized(num_nodes: int, devices: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_4bit_base_is_refused_on_cpu_on_every_rank_with_the_reason_and_what_works():
-    result = launch("tests.test_qlora:set_up_quantized", num_nodes=1, ranks_per_node=2, timeout=150).check()
+    result = launch(set_up_quantized, num_nodes=1, ranks_per_node=2, timeout=150).check()
     for facts in result.values:
         error = facts["error"]
         assert error is not None and error.startswith("ValueError: 'layers.1' (Linear with a Params4bit 'weight')"), (

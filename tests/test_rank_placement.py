@@ -44,7 +44,7 @@ def test_ranks_numbered_across_nodes_are_refused_with_the_launch_fix(hosts, node
 def test_cyclic_numbering_fails_every_rank_at_setup():
     # each rank's own traceback (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
     result = launch(
-        "tests.test_rank_placement:torchrun_numbering",
+        torchrun_numbering,
         {"cyclic": True},
         timeout=240,
         env={"FABRIC_HSDP_DEBUG": "1"},

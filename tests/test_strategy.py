@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fabric_hsdp import HybridFSDPStrategy
 from tests.helpers.launch import launch
-from tests.helpers.parity import BUGS, beyond_noise
+from tests.helpers.parity import BUGS, beyond_noise, parity
 from tests.helpers.training import batch, build, copy_full_into, layer_class, logits_of, make_fabric
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ LAYER_PARAMS = "layers.0.feed_forward.w1.weight"  # [96, 64] in the tiny model
 
 @pytest.mark.parametrize("kind", ["llama", "litgpt", "hf"])
 def test_hsdp_mesh_placements_and_meta_init(kind):
-    values = launch("tests.test_strategy:placements", {"kind": kind}).check().values
+    values = launch(placements, {"kind": kind}).check().values
     for rank, facts in enumerate(values):
         assert facts["mesh_shape"] == (2, 2)
         assert facts["mesh_dim_names"] == ("replicate", "shard")
@@ -44,7 +44,7 @@ def test_hsdp_mesh_placements_and_meta_init(kind):
 
 
 def test_init_gives_distinct_shards_and_identical_replicas_with_per_rank_seeds():
-    for facts in launch("tests.test_strategy:init_consistency").check().values:
+    for facts in launch(init_consistency).check().values:
         for case, values in facts.items():
             assert values["halves_differ"], (case, facts)
             assert values["replicas_differ"] == [] and values["checked"] == 22, (case, facts)  # 21 parameters, 1 buffer
@@ -54,7 +54,7 @@ def test_init_gives_distinct_shards_and_identical_replicas_with_per_rank_seeds()
 
 @pytest.mark.parametrize("shard_size", [4, "world"])
 def test_full_shard_over_world(shard_size):
-    values = launch("tests.test_strategy:placements", {"shard_size": shard_size}).check().values
+    values = launch(placements, {"shard_size": shard_size}).check().values
     for rank, facts in enumerate(values):
         assert facts["mesh_shape"] == (1, 4)
         assert facts["mesh_coordinate"] == (0, rank)
@@ -63,9 +63,7 @@ def test_full_shard_over_world(shard_size):
 
 def test_invalid_shard_size_fails_every_rank_with_the_arithmetic():
     # each rank's own traceback (tests/test_errors.py: without FABRIC_HSDP_DEBUG, rank 0 says it in one line)
-    result = launch(
-        "tests.test_strategy:bad_shard_size", {"shard_size": 3}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"}
-    )
+    result = launch(bad_shard_size, {"shard_size": 3}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"})
     assert result.returncodes == [1, 1, 1, 1]
     for rank in result.ranks:
         assert "shard_size(3) does not divide WORLD_SIZE(4) = num_nodes(2) * ranks_per_node(2)" in rank.stderr
@@ -88,7 +86,7 @@ def test_invalid_shard_size_fails_every_rank_with_the_arithmetic():
     ],
 )
 def test_training_matches_single_process(options):
-    values = launch("tests.helpers.parity:parity", options).check().values
+    values = launch(parity, options).check().values
     assert [v["sampler"] for v in values] == [{"num_replicas": 4, "rank": rank} for rank in range(4)]
     # every rank's distance: each rank gathers its own replica's parameters (full_tensor() of (Replicate, Shard)
     # gathers over "shard" only), so ranks 2 and 3 judge replica 1
@@ -106,7 +104,7 @@ def test_training_matches_single_process(options):
 
 @pytest.mark.parametrize(("precision", "half"), [("bf16-mixed", "torch.bfloat16"), ("16-mixed", "torch.float16")])
 def test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32(precision, half):
-    for facts in launch("tests.test_strategy:mixed_precision", {"precision": precision}).check().values:
+    for facts in launch(mixed_precision, {"precision": precision}).check().values:
         assert facts["precision"] == precision
         assert facts["compute_dtypes"] == [half, half]
         # bf16: FSDP2's policy is the mixed precision (no autocast on top, the logits as computed, no fp32 copy);
@@ -123,7 +121,7 @@ def test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32(p
 
 def test_one_rank_failing_setup_fails_all_ranks_fast():
     result = launch(
-        "tests.test_strategy:fail_on_one_rank",
+        fail_on_one_rank,
         {"failing_rank": 3},
         timeout=120,
         fail_grace=90,

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def test_stalled_rank_fails_every_rank_with_its_file_and_progress(tmp_path, stall, stalled_rank, what, file):
     io_timeout = 2.0
     result = launch(
-        "tests.checkpoint.test_io_watchdog:stalled_io",
+        stalled_io,
         {"out": str(tmp_path), "stalled_rank": stalled_rank, "stall": stall, "io_timeout": io_timeout},
         timeout=150,
         fail_grace=5,
@@ -59,7 +59,7 @@ def test_a_stopped_store_host_fails_the_other_ranks_naming_the_store(tmp_path):
     a stopped server outwaits its own timeout; the other ranks' watchdogs time their store calls and end."""
     io_timeout = 2.0
     result = launch(
-        "tests.checkpoint.test_io_watchdog:stalled_io",
+        stalled_io,
         {"out": str(tmp_path), "stalled_rank": 0, "stall": "save-stop", "io_timeout": io_timeout},
         timeout=150,
         fail_grace=5,

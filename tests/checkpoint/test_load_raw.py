@@ -83,7 +83,7 @@ def test_every_format_and_mode_loads_exactly(llama_files):
     # the strategy's process_group_backend and timeout reach the default process group
     strategy = {"process_group_backend": "gloo", "timeout_seconds": 321}
     args = {"kind": "llama", "cases": cases, "strategy": strategy}
-    values = _cases(launch("tests.checkpoint.test_load_raw:load_cases", args, timeout=300))
+    values = _cases(launch(load_cases, args, timeout=300))
     for rank_values in values:
         assert rank_values[0].pop("process_group") == {"backend": "gloo", "timeout_seconds": 321.0}
         for spec, outcome in zip(cases, rank_values):
@@ -106,7 +106,7 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
         # load_turn_size=1 (the default): local rank 1 of each node reads in the second of two turns
         {**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3, "mode": "turns"},
     ]
-    values = _cases(launch("tests.checkpoint.test_load_raw:load_cases", {"kind": "llama", "cases": cases}))
+    values = _cases(launch(load_cases, {"kind": "llama", "cases": cases}))
     for rank, (broken, prefixed, unreadable, in_turns) in enumerate(values):
         if rank != 3:
             assert "(turn 2 of 2) failed on rank 3: FileNotFoundError" in in_turns["error"], in_turns
@@ -126,7 +126,7 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
     cases = [{**base, "file": str(root / "broken.pth"), "strict": False}]
     cases += [{**base, "file": str(root / "lit-llama.pth"), "missing_on_rank": 3, "mode": "turns"}]
     args = {"kind": "llama", "cases": cases, "strategy": {"load_turn_size": 2}}
-    for rank, (outcome, in_turns) in enumerate(_cases(launch("tests.checkpoint.test_load_raw:load_cases", args))):
+    for rank, (outcome, in_turns) in enumerate(_cases(launch(load_cases, args))):
         if rank != 3:
             assert "(turn 1 of 1) failed on rank 3: FileNotFoundError" in in_turns["error"], in_turns
         assert outcome["missing"] == ["layers.1.feed_forward.w1.weight"]
@@ -137,7 +137,7 @@ def test_key_errors_strict_and_not_strict_and_a_rank_that_cannot_open(llama_file
 def test_fabric_load_accepts_a_raw_state_dict_and_a_converted_dcp(llama_files):
     for name in ("lit-llama.pth", "converted_dcp"):
         args = {"file": str(llama_files / name), "reference": str(llama_files / "lit-llama.pth")}
-        for facts in launch("tests.checkpoint.test_load_raw:fabric_load_raw_state_dict", args).check().values:
+        for facts in launch(fabric_load_raw_state_dict, args).check().values:
             assert facts["remainder"] == {}
             assert facts["max_logit_diff"] == 0.0 and facts["weights_differ"] == []
             assert facts["fabric_load_raw_returned"] is None
@@ -157,7 +157,7 @@ def test_transformers_save_pretrained_directories(tmp_path):
         {"file": str(tmp_path / name), "reference": str(tmp_path / "reference.pth"), "mode": mode}
         for name, mode in [("sharded", None), ("single", "turns"), ("bin", "rank0")]
     ]
-    for rank_values in _cases(launch("tests.checkpoint.test_load_raw:load_cases", {"kind": "hf", "cases": cases})):
+    for rank_values in _cases(launch(load_cases, {"kind": "hf", "cases": cases})):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []
@@ -193,7 +193,7 @@ def test_litgpt_converter_output(tmp_path):
     lit_file = tmp_path / config.name / "lit_model.pth"
     cases = [{"file": str(lit_file), "reference": str(lit_file)}, {"file": str(lit_file), "reference": str(lit_file)}]
     cases[1]["mode"] = "rank0"
-    for rank_values in _cases(launch("tests.checkpoint.test_load_raw:load_cases", {"kind": "litgpt", "cases": cases})):
+    for rank_values in _cases(launch(load_cases, {"kind": "litgpt", "cases": cases})):
         for outcome in rank_values:
             assert "error" not in outcome, outcome
             assert outcome["max_logit_diff"] == 0.0 and outcome["missing"] == [] and outcome["unexpected"] == []

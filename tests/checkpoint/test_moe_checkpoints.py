@@ -84,7 +84,7 @@ def test_save_pretrained_writes_one_tensor_per_expert(hub_files):
 def test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts(hub_files, kind, modes):
     values = (
         launch(
-            "tests.checkpoint.test_moe_checkpoints:load_hub",
+            load_hub,
             {"kind": kind, "path": str(hub_files[kind]), "modes": modes},
             timeout=360,
         )
@@ -195,11 +195,11 @@ def test_sharded_save_resumes_on_another_node_count_and_exports_to_the_hub_layou
     from fabric_hsdp.checkpoint import convert_checkpoint
 
     path = str(tmp_path / "sharded")
-    saved = launch("tests.checkpoint.test_moe_checkpoints:train_and_save", {"kind": kind, "path": path}, timeout=180)
+    saved = launch(train_and_save, {"kind": kind, "path": path}, timeout=180)
     saved = saved.check().values
     resumed = (
         launch(
-            "tests.checkpoint.test_moe_checkpoints:resume",
+            resume,
             {"kind": kind, "path": path},
             num_nodes=1,
             ranks_per_node=2,

@@ -19,7 +19,7 @@ def test_raw_load_reads_each_byte_once_per_replica_group(tmp_path):
     reads = {}
     for split in (False, True):
         result = launch(
-            "tests.checkpoint.test_raw_replica_split:raw_load_counting_reads",
+            raw_load_counting_reads,
             {"out": str(tmp_path), "split_replica_reads": split},
         )
         values = result.check().values

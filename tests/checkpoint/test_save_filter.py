@@ -53,7 +53,7 @@ def load_filtered(num_nodes: int, devices: int, out: str, name: str) -> dict:
 
 @pytest.mark.parametrize("name", ["ckpt", "ckpt.pth"])
 def test_a_filtered_save_holds_what_the_filter_keeps_and_loads_with_strict_false(tmp_path, name):
-    launch("tests.checkpoint.test_save_filter:save_filtered", {"out": str(tmp_path), "name": name}).check()
+    launch(save_filtered, {"out": str(tmp_path), "name": name}).check()
     path = tmp_path / name
     if path.is_dir():
         from torch.distributed.checkpoint import FileSystemReader
@@ -68,7 +68,7 @@ def test_a_filtered_save_holds_what_the_filter_keeps_and_loads_with_strict_false
     assert plain == {"step": 2}  # the optimizer's filter kept nothing: no optimizer entry at all
 
     result = launch(
-        "tests.checkpoint.test_save_filter:load_filtered",
+        load_filtered,
         {"out": str(tmp_path), "name": name},
         num_nodes=1,
         ranks_per_node=2,

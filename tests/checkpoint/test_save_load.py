@@ -44,7 +44,7 @@ def _assert_exact(facts):
 @pytest.fixture(scope="module")
 def sharded_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
-    values = launch("tests.checkpoint.test_save_load:save", {"out": str(out)}).check().values
+    values = launch(save, {"out": str(out)}).check().values
     assert all(v == {"exists": True, "hidden_leftovers": []} for v in values)
     return out
 
@@ -54,7 +54,7 @@ def sharded_checkpoint(tmp_path_factory):
 )
 def test_resharded_load_is_exact(sharded_checkpoint, nodes, per_node, split):
     result = launch(
-        "tests.checkpoint.test_save_load:load",
+        load,
         {"out": str(sharded_checkpoint), "split_replica_reads": split},
         num_nodes=nodes,
         ranks_per_node=per_node,
@@ -75,9 +75,7 @@ def test_a_damaged_meta_file_fails_the_load_with_checkpoint_error_naming_it(shar
     meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
     # each rank's own error (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
     debug = {"FABRIC_HSDP_DEBUG": "1"}
-    result = launch(
-        "tests.checkpoint.test_save_load:load", {"out": str(tmp_path)}, num_nodes=1, ranks_per_node=2, env=debug
-    )
+    result = launch(load, {"out": str(tmp_path)}, num_nodes=1, ranks_per_node=2, env=debug)
     assert not result.timed_out and all(code != 0 for code in result.returncodes), result.returncodes
     for rank in result.ranks:
         assert f"CheckpointError: '{meta}' is truncated or damaged" in rank.stderr, rank.stderr[-3000:]
@@ -96,7 +94,7 @@ def test_split_replica_reads_read_each_shard_once(sharded_checkpoint):
     reads = {}
     for split in (False, True):
         result = launch(
-            "tests.checkpoint.test_save_load:load_counting_reads",
+            load_counting_reads,
             {"out": str(sharded_checkpoint), "split_replica_reads": split},
         )
         for facts in result.check().values:
@@ -111,7 +109,7 @@ def test_split_replica_reads_read_each_shard_once(sharded_checkpoint):
 
 
 def test_replica_split_maps_each_rank_to_its_rows():
-    values = launch("tests.checkpoint.test_save_load:split_parts").check().values
+    values = launch(split_parts).check().values
     for facts in values:
         replica, shard = facts["coordinate"]
         assert facts["part_offset_rows"] == shard * 4 + replica * 2 and facts["part_rows"] == 2, facts
@@ -153,8 +151,8 @@ def test_lightning_consolidate_checkpoint_reads_our_checkpoint(sharded_checkpoin
 
 
 def test_checkpoint_of_lightning_model_parallel_strategy_loads(tmp_path):
-    launch("tests.checkpoint.test_save_load:save_with_lightning", {"out": str(tmp_path)}).check()
-    for facts in launch("tests.checkpoint.test_save_load:load", {"out": str(tmp_path)}).check().values:
+    launch(save_with_lightning, {"out": str(tmp_path)}).check()
+    for facts in launch(load, {"out": str(tmp_path)}).check().values:
         _assert_exact(facts)
         assert facts["optimizer_steps_during_load"] == 0
 
@@ -162,7 +160,7 @@ def test_checkpoint_of_lightning_model_parallel_strategy_loads(tmp_path):
 @pytest.mark.parametrize("name", ["full.pth", "full.safetensors"])
 def test_full_checkpoint_from_rank0(tmp_path, name):
     args = {"out": str(tmp_path), "state_dict_type": "full", "name": name, "model_only": name.endswith("safetensors")}
-    launch("tests.checkpoint.test_save_load:save", args).check()
+    launch(save, args).check()
     expected = torch.load(tmp_path / "expected.pt", weights_only=False)
     if name.endswith(".pth"):
         saved = torch.load(tmp_path / name, weights_only=True)
@@ -172,7 +170,7 @@ def test_full_checkpoint_from_rank0(tmp_path, name):
             assert torch.equal(saved["optimizer"]["state"][fqn]["exp_avg_sq"], entries["exp_avg_sq"])
         # the Fabric layout loads back with optimizer and plain values, with replicas (2 x 2, split reads)
         args = {"out": str(tmp_path), "name": name, "split_replica_reads": True}
-        facts = launch("tests.checkpoint.test_save_load:load", args).check()
+        facts = launch(load, args).check()
         for value in facts.values:
             _assert_exact(value)
             assert value["remainder"] == {"note": "hi"}
@@ -185,7 +183,7 @@ def test_full_checkpoint_from_rank0(tmp_path, name):
 
 
 def test_safetensors_refuses_optimizer_state(tmp_path):
-    result = launch("tests.checkpoint.test_save_load:save", {"out": str(tmp_path), "name": "x.safetensors"})
+    result = launch(save, {"out": str(tmp_path), "name": "x.safetensors"})
     assert result.returncodes == [1, 1, 1, 1]
     assert "is a safetensors file, which holds model tensors only" in result.ranks[0].stderr
     assert not (tmp_path / "x.safetensors").exists()
@@ -219,7 +217,7 @@ def _killed_saves(tmp_path, points, async_save):
         # of plan in turn (the model's own, a dict, a callable)
         plan = ["auto", "dict", "callable"][run // 2 % 3]
         result = launch(
-            "tests.checkpoint.test_save_load:save_then_killed",
+            save_then_killed,
             {"out": str(out), "point": point, "victim": victim, "async_save": async_save,
              "tensor_parallel_size": 1 + run % 2, "tensor_parallel_plan": plan},
             timeout=60,
@@ -257,11 +255,11 @@ def test_killed_background_saves_leave_old_or_new_checkpoint(tmp_path):
 
 
 def test_background_save_holds_the_state_at_save_time_and_finishes_when_the_script_ends(tmp_path):
-    result = launch("tests.checkpoint.test_save_load:save_in_background", {"out": str(tmp_path)}, timeout=120)
+    result = launch(save_in_background, {"out": str(tmp_path)}, timeout=120)
     assert not any(facts["visible_before_written"] for facts in result.check().values)
     assert [p.name for p in tmp_path.glob(".*")] == []
     # parameters, AdamW state and lr changed by the step after fabric.save are not in the checkpoint
-    for facts in launch("tests.checkpoint.test_save_load:load", {"out": str(tmp_path)}, num_nodes=1).check().values:
+    for facts in launch(load, {"out": str(tmp_path)}, num_nodes=1).check().values:
         _assert_exact(facts)
         assert facts["remainder"] == {"note": "hi"}
         assert facts["optimizer_steps_during_load"] == 0  # its state was allocated from the checkpoint
@@ -270,7 +268,7 @@ def test_background_save_holds_the_state_at_save_time_and_finishes_when_the_scri
 @pytest.mark.parametrize("async_save", [False, True])
 def test_one_rank_failing_to_write_fails_all_and_keeps_previous(tmp_path, async_save):
     result = launch(
-        "tests.checkpoint.test_save_load:fail_writing_on_one_rank",
+        fail_writing_on_one_rank,
         {"out": str(tmp_path), "failing_rank": 2, "async_save": async_save},
         timeout=120,
     )
@@ -304,7 +302,7 @@ def test_one_rank_failing_to_write_fails_all_and_keeps_previous(tmp_path, async_
 
 def test_background_save_failing_after_the_script_ended_exits_1(tmp_path):
     result = launch(
-        "tests.checkpoint.test_save_load:fail_writing_on_one_rank",
+        fail_writing_on_one_rank,
         {"out": str(tmp_path), "failing_rank": 2, "async_save": True, "wait": False},
         timeout=120,
     )
@@ -344,7 +342,7 @@ def load_into_another_model(num_nodes: int, devices: int, out: str) -> dict:
 def test_resuming_another_models_checkpoint_names_both_sides(sharded_checkpoint):
     """#34: DCP said only "Missing key in checkpoint state_dict: model.transformer.wte.weight"."""
     result = launch(
-        "tests.checkpoint.test_save_load:load_into_another_model",
+        load_into_another_model,
         {"out": str(sharded_checkpoint)},
         num_nodes=1,
         ranks_per_node=2,

@@ -13,7 +13,7 @@ def test_a_checkpoint_path_not_shared_across_nodes_fails_the_save_on_every_rank(
     # each rank's own error (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
     debug = {"FABRIC_HSDP_DEBUG": "1"}
     result = launch(
-        "tests.checkpoint.test_shared_directory:save_to_node_local_path",
+        save_to_node_local_path,
         {"root": str(tmp_path)},
         timeout=240,
         env=debug,

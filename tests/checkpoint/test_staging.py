@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_stager_copies_what_this_rank_writes_and_the_checkpoint_is_whole(tmp_path, tensor_parallel_size):
     result = launch(
-        "tests.checkpoint.test_staging:staged_chunks",
+        staged_chunks,
         {"out": str(tmp_path), "tensor_parallel_size": tensor_parallel_size},
     )
     for facts in result.check().values:
@@ -81,7 +81,7 @@ def test_staging_copies_straight_from_the_live_shards():
     """#35 item 1: on CUDA the copies run on a side stream ordered after the compute stream's work so far; a
     temporary made for them (torch.cat of qkv's pieces) would be written on the compute stream after that and could
     be read stale. Every copy's source must be the live state's own memory."""
-    for facts in launch("tests.checkpoint.test_staging:staged_sources", num_nodes=1, ranks_per_node=4).check().values:
+    for facts in launch(staged_sources, num_nodes=1, ranks_per_node=4).check().values:
         assert facts["copies"] > 0 and facts["from_live_state"] == facts["copies"], facts
 
 
@@ -217,7 +217,7 @@ def test_an_async_save_holds_at_most_its_share_of_the_state_in_host_memory(tmp_p
     from before the first save: the first save, and later ones with the kept staging block. DCP's writer cloned every
     view of the one staging block before writing it and kept the clones until the file was closed: 1.0x of the
     rank's state on the first save, the block plus ~0.5x on later ones."""
-    result = launch("tests.checkpoint.test_staging:async_save_memory", {"out": str(tmp_path)}, timeout=180)
+    result = launch(async_save_memory, {"out": str(tmp_path)}, timeout=180)
     for facts in result.check().values:
         state, written = facts["state"], facts["written"]
         assert 0.45 * state < written < 0.55 * state, facts  # the dedup gives each replica half of the chunks

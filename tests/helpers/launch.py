@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,7 @@ def _read(path: Path) -> str:
 
 
 def launch(
-    scenario: str,
+    scenario: Callable[..., Any] | str,
     args: dict[str, Any] | None = None,
     *,
     num_nodes: int = 2,
@@ -215,7 +216,8 @@ def launch(
     env: dict[str, str] | None = None,
     out_dir: str | Path | None = None,
 ) -> LaunchResult:
-    """Run ``scenario`` (``"tests.test_file:function"``) on ``num_nodes x ranks_per_node`` CPU processes.
+    """Run ``scenario`` (a module-level function of the tests, or its ``"tests.test_file:function"``) on
+    ``num_nodes x ranks_per_node`` CPU processes; each rank imports it by its module and name.
 
     The environment is what Lightning's launchers set: ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``,
     ``LOCAL_RANK``, ``WORLD_SIZE`` (so Fabric picks ``LightningEnvironment`` and the processes are created externally).
@@ -225,6 +227,8 @@ def launch(
     on the machine launch too): when rank 0 then fails with ``EADDRINUSE`` on it, before any rank has run the
     scenario, the ranks are ended and started again on another port, up to ``PORT_ATTEMPTS`` times in all.
     """
+    if callable(scenario):
+        scenario = f"{scenario.__module__}:{scenario.__qualname__}"
     _start_server()
     timeout = _budget(timeout)
     workdir = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hsdp-launch-"))

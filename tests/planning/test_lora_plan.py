@@ -98,7 +98,7 @@ def test_the_lora_plan_holds_what_the_strategy_measures_per_rank(tmp_path):
     training = Training("bf16-mixed", Workload(optimizer="adamw"))
     planned = memory_per_device(with_lora(base, RANK), training, 2, 1)
     full = memory_per_device(base, training, 2, 1)
-    measured = launch("tests.planning.test_lora_plan:lora_shards", num_nodes=1, ranks_per_node=2, timeout=200)
+    measured = launch(lora_shards, num_nodes=1, ranks_per_node=2, timeout=200)
     for rank in measured.check().values:
         assert (rank["parameters"], rank["gradients"], rank["optimizer"]) == (
             planned.parameters,

@@ -66,7 +66,7 @@ def test_predicted_shard_bytes_and_peak_memory_match_the_measured():
     ]
     values = (
         launch(
-            "tests.planning.test_measured:measurements",
+            measurements,
             {"peak": peak, "cases": cases, "auto": auto},
             timeout=240,
         )

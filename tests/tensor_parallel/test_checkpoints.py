@@ -51,16 +51,14 @@ def saved_with_tp(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2")
     args = {"out": str(out), "tensor_parallel_size": 2, "async_save": True, "full": True}
     args.update(sequence_parallel=True, loss_parallel=True)
-    launch("tests.tensor_parallel.test_checkpoints:save", args, num_nodes=1, ranks_per_node=4, timeout=300).check()
+    launch(save, args, num_nodes=1, ranks_per_node=4, timeout=300).check()
     return out
 
 
 @pytest.fixture(scope="module")
 def saved_without_tp(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp1")
-    launch(
-        "tests.tensor_parallel.test_checkpoints:save", {"out": str(out), "tensor_parallel_size": 1}, timeout=300
-    ).check()
+    launch(save, {"out": str(out), "tensor_parallel_size": 1}, timeout=300).check()
     return out
 
 
@@ -73,9 +71,7 @@ def test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts(
     saved_with_tp, nodes, per_node, tensor_parallel, split, mesh
 ):
     args = {"out": str(saved_with_tp), "tensor_parallel_size": tensor_parallel, "split_replica_reads": split}
-    result = launch(
-        "tests.tensor_parallel.test_checkpoints:load", args, num_nodes=nodes, ranks_per_node=per_node, timeout=300
-    )
+    result = launch(load, args, num_nodes=nodes, ranks_per_node=per_node, timeout=300)
     for facts in result.check().values:
         assert facts["hf"]["mesh"] == mesh
         _assert_exact(facts)
@@ -86,7 +82,7 @@ def test_tensor_parallel_checkpoint_loads_exactly_on_other_layouts(
 
 def test_checkpoint_without_tensor_parallelism_loads_exactly_with_it(saved_without_tp):
     args = {"out": str(saved_without_tp), "tensor_parallel_size": 2, "sequence_parallel": True, "loss_parallel": True}
-    result = launch("tests.tensor_parallel.test_checkpoints:load", args, num_nodes=1, ranks_per_node=4, timeout=300)
+    result = launch(load, args, num_nodes=1, ranks_per_node=4, timeout=300)
     for facts in result.check().values:
         assert facts["hf"]["mesh"] == (1, 2, 2)
         _assert_exact(facts)
@@ -167,7 +163,7 @@ def test_raw_loads_fill_tensor_parallel_shards_reading_only_their_elements(conso
     cases.append(case("hf", "hf-dir"))
     # with sequence parallelism: norms are DTensors replicated over the tensor-parallel ranks too
     args = {"cases": cases, "sequence_parallel": True}
-    result = launch("tests.tensor_parallel.test_checkpoints:load_raw", args, num_nodes=1, ranks_per_node=4, timeout=400)
+    result = launch(load_raw, args, num_nodes=1, ranks_per_node=4, timeout=400)
     values = result.check().values
     for rank_values in values:
         for spec, outcome in zip(cases, rank_values):

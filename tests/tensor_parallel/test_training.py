@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.helpers.launch import launch
-from tests.helpers.parity import GRADIENT_CONTROLS, beyond_noise
+from tests.helpers.parity import GRADIENT_CONTROLS, beyond_noise, parity
 from tests.helpers.training import (
     batch,
     build,
@@ -61,7 +61,7 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
     }
     values = (
         launch(
-            "tests.helpers.parity:parity",
+            parity,
             dict(options, tensor_parallel_size=2),
             num_nodes=nodes,
             ranks_per_node=per_node,
@@ -115,9 +115,7 @@ def test_training_with_tensor_parallelism_matches_single_process(nodes, per_node
 def test_init_under_tensor_parallelism():
     """Per-rank seeds: every part of a copy differs, replicated values are equal along their dims; logits exact;
     the gradient norm of the same weights as one process's, reduced in one all-reduce with no DTensor warning."""
-    values = (
-        launch("tests.tensor_parallel.test_training:tensor_parallel_init", num_nodes=1, ranks_per_node=4).check().values
-    )
+    values = launch(tensor_parallel_init, num_nodes=1, ranks_per_node=4).check().values
     for kind, facts in values[0].items():
         assert facts["mesh_shape"] == (1, 2, 2) and facts["mesh_dim_names"] == ("replicate", "shard", "tensor")
         assert facts["coordinates"] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
@@ -170,9 +168,7 @@ def test_init_under_tensor_parallelism():
 def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
     # each rank's own error (without FABRIC_HSDP_DEBUG rank 0 says it in one line: tests/test_errors.py)
     debug = {"FABRIC_HSDP_DEBUG": "1"}
-    result = launch(
-        "tests.tensor_parallel.test_training:bad_tensor_parallel", args, timeout=120, fail_grace=90, env=debug
-    )
+    result = launch(bad_tensor_parallel, args, timeout=120, fail_grace=90, env=debug)
     assert not result.timed_out
     assert result.returncodes == [1, 1, 1, 1]
     for rank in result.ranks:
@@ -185,7 +181,7 @@ def test_invalid_tensor_parallel_size_fails_every_rank_fast(args, message):
 @pytest.mark.timeout(560)  # one launch of 500 s
 def test_ties_export_layout_dropout_and_checkpoints_across_sequence_and_loss_parallelism(tmp_path):
     """One launch on (1, 2, 2), strategies one after another (see levers below)."""
-    values = launch("tests.tensor_parallel.test_training:levers", {"out": str(tmp_path)}, timeout=500).check().values
+    values = launch(levers, {"out": str(tmp_path)}, timeout=500).check().values
     facts = values[0]
     print({key: value for key, value in facts.items() if key != "memory"})
     # tied embeddings: one parameter split by vocabulary rows, as many in the optimizer as in the model, equal after
@@ -219,10 +215,10 @@ def test_ties_export_layout_dropout_and_checkpoints_across_sequence_and_loss_par
     # memory per rank: sequence parallelism saves fewer activations, loss parallelism holds 1/2 of the logits
     memory = facts["memory"]
     for kind in ("llama", "hf", "litgpt"):
-        plain, levers = memory["tp"][kind], memory["levers"][kind]
-        assert levers["model"] < 0.9 * plain["model"], (kind, plain, levers)
-        assert levers["logits"] * 2 == plain["logits"], (kind, plain, levers)
-        assert levers["loss"] < 0.6 * plain["loss"], (kind, plain, levers)
+        plain, leveraged = memory["tp"][kind], memory["levers"][kind]
+        assert leveraged["model"] < 0.9 * plain["model"], (kind, plain, leveraged)
+        assert leveraged["logits"] * 2 == plain["logits"], (kind, plain, leveraged)
+        assert leveraged["loss"] < 0.6 * plain["loss"], (kind, plain, leveraged)
     print({label: memory[label] for label in memory})
 
 
@@ -256,7 +252,7 @@ def view_warnings(num_nodes: int, devices: int) -> dict:
 def test_the_harmless_view_warning_of_tp_logits_is_not_shown():
     """#34: every TP run printed FSDP2's "returned a view tensor ... can cause backward to fail or produce wrong
     gradients" for the head's to_local() logits, which autograd forbids modifying in place."""
-    values = launch("tests.tensor_parallel.test_training:view_warnings", num_nodes=1, ranks_per_node=2, timeout=150)
+    values = launch(view_warnings, num_nodes=1, ranks_per_node=2, timeout=150)
     for facts in values.check().values:
         assert [text for text in facts["warnings"] if "returned a view tensor" in text] == [], facts["warnings"]
         assert facts["logits_are_local_logits"] is True and facts["a slice of them is not"] is False, facts
