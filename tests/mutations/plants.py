@@ -2271,13 +2271,13 @@ PLANTS: dict[str, Plant] = {
     ),
     "42c5": Plant(
         "compiled blocks under context parallelism train as one process (#42)",
-        "traced by dynamo, the gathered keys carry no gradient back to the ranks that computed them",
+        "traced by dynamo, the gradient of the gathered keys reaches their ranks 1.5x too large (forward unchanged)",
         (
             (
                 "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n",
                 "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n"
                 "    if torch.compiler.is_compiling():\n"
-                "        keys = keys.detach()\n",
+                "        keys = keys * 1.5 - keys.detach() * 0.5\n",
             ),
         ),
         ("tests/test_context_parallel.py::test_compiled_blocks_and_bf16_mixed_under_context_parallelism",),
@@ -2285,13 +2285,13 @@ PLANTS: dict[str, Plant] = {
     ),
     "42c6": Plant(
         "bf16-mixed under context parallelism trains as fp32 within bf16's rounding (#42)",
-        "in bf16 the gathered keys carry no gradient back to the ranks that computed them",
+        "in bf16 the gradient of the gathered keys reaches their ranks 1.5x too large (forward unchanged)",
         (
             (
                 "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n",
                 "    keys = all_gather_tensor_autograd(key.contiguous(), 2, group)\n"
                 "    if key.dtype == torch.bfloat16:\n"
-                "        keys = keys.detach()\n",
+                "        keys = keys * 1.5 - keys.detach() * 0.5\n",
             ),
         ),
         ("tests/test_context_parallel.py::test_compiled_blocks_and_bf16_mixed_under_context_parallelism",),
