@@ -2232,4 +2232,32 @@ PLANTS: dict[str, Plant] = {
         ),
         expect='facts["ours"][what] <= tolerance[what]',
     ),
+    "46j2": Plant(
+        "LoRA training judged by the noise floor of one process, not a fixed 1e-5 on the adapters (#46)",
+        "the sharded run's learning rate is 0.01 % high: its adapters are ~1e-4 off, 3e-6 in absolute value",
+        (
+            (
+                "        logits_at_start = logits_of(model, inputs).detach().clone()\n"
+                "    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))\n",
+                "        logits_at_start = logits_of(model, inputs).detach().clone()\n"
+                "    optimizer = fabric.setup_optimizers(\n"
+                "        torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE * 1.0001)\n"
+                "    )\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+        expect="assert not {'parameters'",
+    ),
+    "46j3": Plant(
+        "LoRA: 'it trained' is a fall of the loss, not first loss != last (#46)",
+        "the learning rate is 1000x too small in the run and its reference alike: the loss moves, by ~0.001 %",
+        (
+            (
+                "LEARNING_RATE = 1e-2\nSTEPS = 3\nGLOBAL_BATCH = 8\n",
+                "LEARNING_RATE = 1e-5\nSTEPS = 3\nGLOBAL_BATCH = 8\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+        expect="assert fell > TRAINED_MARGIN",
+    ),
 }
