@@ -2234,14 +2234,14 @@ PLANTS: dict[str, Plant] = {
     ),
     "46j2": Plant(
         "LoRA training judged by the noise floor of one process, not a fixed 1e-5 on the adapters (#46)",
-        "the sharded run's learning rate is 0.01 % high: its adapters are ~1e-4 off, 3e-6 in absolute value",
+        "the sharded run's learning rate is 0.0011 % high: its adapters ~1.1e-5 off (relative), ~8e-6 absolute",
         (
             (
                 "        logits_at_start = logits_of(model, inputs).detach().clone()\n"
                 "    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))\n",
                 "        logits_at_start = logits_of(model, inputs).detach().clone()\n"
                 "    optimizer = fabric.setup_optimizers(\n"
-                "        torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE * 1.0001)\n"
+                "        torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE * 1.000011)\n"
                 "    )\n",
             ),
         ),
