@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -95,10 +96,25 @@ def test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu(tmp_path):
         line["variant"]: line for line in map(json.loads, (tmp_path / "throughput.jsonl").read_text().split("\n")[:-1])
     }
     assert results["float8"] == {"variant": "float8", "skipped": "float8 needs CUDA"}
+    throughput = _benchmark("gpu_throughput")
+    command = session.throughput_command(tmp_path, True, 0, False)
+    tokens = int(command[command.index("--micro_batch") + 1]) * throughput.TINY["max_seq_len"]  # per step
+    warmup = int(command[command.index("--warmup") + 1])
     for variant in ("selective", "torchtitan", "full"):
-        assert results[variant]["tokens_per_s"] > 0 and results[variant]["device"].startswith("cpu"), results[variant]
+        result = results[variant]
+        assert result["device"].startswith("cpu"), result
         log = (tmp_path / f"throughput-{variant}.log").read_text()
         assert f"{variant}: pid" in log and "step 3:" in log and "result: {" in log, log[-2000:]
+        # the figures against what the run logged: step_s the median of the timed steps' seconds (the log's 3
+        # decimals: 5e-4 s off at most, step_s's own 4 decimals 5e-5 s more), tokens_per_s a step's tokens
+        # (micro-batch x sequence) over it (rounded to 0.1 token/s, and step_s to 5e-5 s)
+        seconds = [float(found) for found in re.findall(r"^step \d+: ([\d.]+) s,", log, flags=re.MULTILINE)]
+        assert len(seconds) == warmup + 2, log[-2000:]
+        assert abs(result["step_s"] - statistics.median(seconds[warmup:])) <= 5.5e-4 + 1e-9, (result, seconds)
+        rounding = 5e-5 / result["step_s"] + 0.05 / result["tokens_per_s"]
+        counted = result["tokens_per_s"] * result["step_s"]
+        print(f"{variant}: {counted:.3f} tokens a step by the result, {tokens} by the batch (rounding {rounding:.2g})")
+        assert abs(counted / tokens - 1) <= rounding + 1e-9, (result, tokens)
     ours, baseline = results["selective"], results["torchtitan"]
     for key in ("compile", "graphs", "graph_breaks", "recompiles"):  # compiled alike, so the ratio measures the rest
         assert ours[key] == baseline[key], (key, ours, baseline)

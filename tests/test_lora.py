@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import launch
+from tests.helpers.parity import beyond_noise
 from tests.helpers.training import batch, finetune, litgpt_config, logits_of, tiny_hf_llama, tiny_litgpt
 
 pytestmark = pytest.mark.slow
@@ -23,6 +24,10 @@ pytestmark = pytest.mark.slow
 LEARNING_RATE = 1e-2
 STEPS = 3
 GLOBAL_BATCH = 8
+# "it trained": the global loss falls by more than this fraction of itself in STEPS steps. Measured here: 1.04 %
+# (peft) and 0.71 % (litgpt); at a learning rate 1000x too small (plant 46j3) about 0.001 %, which the old judge
+# (first loss != last) let pass.
+TRAINED_MARGIN = 2e-3
 PEFT_TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
@@ -199,16 +204,59 @@ def resume_lora(num_nodes: int, devices: int, kind: str, base: str, out: str) ->
     return resumed
 
 
-def one_process(kind: str, initial: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, list[float]]:
-    """The same 3 steps in one process on the whole batch, from the sharded run's weights at step 0."""
+def one_process(
+    kind: str, initial: dict[str, torch.Tensor], micro_batches: list[slice] | None = None
+) -> tuple[torch.nn.Module, list[float]]:
+    """The same 3 steps in one process on the whole batch, from the sharded run's weights at step 0.
+    ``micro_batches``: the batch's rows as these micro-batches, accumulated (the same mathematics, another rounding)."""
     model = lora_model(kind)
     model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return model, _steps(model, optimizer, slice(0, GLOBAL_BATCH), lambda loss: loss.backward())
+    if micro_batches is None:
+        return model, _steps(model, optimizer, slice(0, GLOBAL_BATCH), lambda loss: loss.backward())
+    inputs, targets = batch(GLOBAL_BATCH, seed=7)
+    losses = []
+    for _ in range(STEPS):
+        step_loss = 0.0
+        for rows in micro_batches:
+            logits = logits_of(model, inputs[rows])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[rows].flatten()) / len(micro_batches)
+            loss.backward()
+            step_loss += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return model, losses
 
 
-def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((x - b[k]).abs().max().item() for k, x in a.items())
+def parity_with_one_process(kind: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sharded run (its global batch's losses, its adapters) against one process on the whole batch, and the
+    noise floor: the same process with the data-parallel ranks' rows as accumulated micro-batches, in their order and
+    reversed (:mod:`tests.helpers.parity`'s rule)."""
+    from tests.helpers.parity import Trained, distance
+
+    initial = ranks[0]["initial"]
+    adapters = [name for name in initial if "lora_" in name]
+
+    def trained(model: torch.nn.Module, losses: list[float]) -> Trained:
+        state = model.state_dict()
+        return Trained(losses, [], {name: state[name].detach().clone() for name in adapters})
+
+    full_batch = trained(*one_process(kind, initial))
+    per_rank = GLOBAL_BATCH // len(ranks)
+    micro_batches = [slice(per_rank * rank, per_rank * (rank + 1)) for rank in range(len(ranks))]
+    floors = [
+        distance(trained(*one_process(kind, initial, order)), full_batch)
+        for order in (micro_batches, micro_batches[::-1])
+    ]
+    global_losses = [sum(rank["losses"][step] for rank in ranks) / len(ranks) for step in range(STEPS)]
+    ours = Trained(global_losses, [], {name: ranks[0]["trained"][name] for name in adapters})
+    return {
+        "ours": distance(ours, full_batch),
+        "floor": {what: max(floor[what] for floor in floors) for what in floors[0]},
+        "losses": global_losses,
+        "one_process_losses": full_batch.losses,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -259,12 +307,18 @@ def test_lora_base_loads_strict_and_trains_like_one_process(lora_runs, kind):
     print(f"{kind}: max |logits at step 0 - base logits| = {start_difference:.3g}")
     assert start_difference <= 1e-5
 
-    reference, losses = one_process(kind, facts["initial"])
+    reference, _ = one_process(kind, facts["initial"])
     reference_state = reference.state_dict()
-    difference = _max_difference({k: v for k, v in facts["trained"].items() if k in adapters}, reference_state)
-    print(f"{kind}: losses {facts['losses']} vs one process {losses}; max adapter difference {difference:.3g}")
-    assert facts["losses"][0] != facts["losses"][-1]  # it trained
-    assert difference <= 1e-5
+    # parity by the suite's noise-floor rule (tests/helpers/parity.py) on the global batch's losses and the adapters.
+    # Measured here (torch 2.13 CPU), ours / floor: peft parameters 1.1e-6 / 8.0e-7, litgpt 4.1e-7 / 5.5e-7, losses
+    # 6e-8 / 6e-8 and 1.2e-7 / 1.2e-7. A learning rate 0.0011 % high in the sharded run (plant 46j2) passed the fixed
+    # 1e-5 on the adapters' values.
+    parity = parity_with_one_process(kind, ranks)
+    print(f"{kind}: {parity}")
+    assert not beyond_noise(parity["ours"], parity["floor"]), parity
+    # it trained: the global loss fell by more than TRAINED_MARGIN of itself in 3 steps
+    fell = parity["losses"][0] - parity["losses"][-1]
+    assert fell > TRAINED_MARGIN * parity["losses"][0], parity
     # every base tensor bit-identical after training, on every rank; no gradient for any of them
     for rank in ranks:
         assert rank["grads_of_frozen"] == []

@@ -44,18 +44,39 @@ def train(num_nodes: int, devices: int, kind: str, steps: int = 3) -> dict[str, 
             with torch.no_grad():
                 aux.append(model(rows_in, output_router_logits=True).aux_loss.item())
     state = full_state(model)
-    rows = [sampler_rows(len(inputs), replicas, rank) for rank in range(replicas)]
-    reference, _ = moe.train_one_process(kind, inputs, targets, rows, steps, LEARNING_RATE)
-    reversed_order, _ = moe.train_one_process(kind, inputs, targets, rows[::-1], steps, LEARNING_RATE)
+    reference, reorderings = _one_process_orders(kind, inputs, targets, replicas, steps)
+    floors = [distance(trained, reference) for trained in reorderings]
     return {
         "ours": distance(Trained(losses, [], state), reference),
-        "floor": distance(reversed_order, reference),
+        "floor": {what: max(floor[what] for floor in floors) for what in floors[0]},
+        "floors": floors,
         "units": units,
         "aux_losses": aux,
         "expert_placements": sorted(
             {str(p.placements) for n, p in model.named_parameters() if "experts" in n and hasattr(p, "placements")}
         ),
     }
+
+
+def _one_process_orders(
+    kind: str, inputs: torch.Tensor, targets: torch.Tensor, replicas: int, steps: int
+) -> tuple[Trained, list[Trained]]:
+    """One process accumulating the ranks' batches in rank order (the reference) and reordered three ways: reversed,
+    rotated by one, neighbours swapped (the same mathematics, other roundings: the floor is the largest of their
+    distances, so one lucky rounding does not make it small). Each rank trains one order and all gather them: no more
+    work per rank than the two orders each rank trained before."""
+    import torch.distributed as dist
+
+    rows = [sampler_rows(len(inputs), replicas, rank) for rank in range(replicas)]
+    orders = [rows, rows[::-1], rows[1:] + rows[:1], [rows[index ^ 1] for index in range(len(rows))]]
+    mine = [
+        moe.train_one_process(kind, inputs, targets, orders[index], steps, LEARNING_RATE)[0]
+        for index in range(dist.get_rank(), len(orders), dist.get_world_size())
+    ]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    trained = [gathered[index % dist.get_world_size()][index // dist.get_world_size()] for index in range(len(orders))]
+    return trained[0], trained[1:]
 
 
 LAYERS = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "litgpt_moe": "Block"}
@@ -65,6 +86,9 @@ LAYERS = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer",
 @pytest.mark.parametrize("kind", moe.KINDS)
 def test_three_steps_match_one_process_with_each_rank_routing_its_own_batch(kind):
     values = launch(train, {"kind": kind}, timeout=240).check().values
+    # the floor is the largest of three reorderings: measured here (torch 2.13 CPU), their parameter distances differ
+    # up to 4.4x (mixtral: reversed 1.4e-6, rotated 1.4e-6, neighbours swapped 3.1e-7), so one alone can be lucky
+    print(f"{kind}: ours {values[0]['ours']}; floors (reversed, rotated, neighbours swapped) {values[0]['floors']}")
     for rank, facts in enumerate(values):
         assert not beyond_noise(facts["ours"], facts["floor"]), (rank, facts["ours"], facts["floor"])
         # each decoder layer is one unit with its experts inside (no expert a unit of its own), plus the

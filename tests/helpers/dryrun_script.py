@@ -1,8 +1,9 @@
 """A user's Fabric script, unchanged by the dry run: what ``tests/test_dryrun.py`` runs as one rank of a cluster.
 
 ``python dryrun_script.py FACTS_JSON [--shard_size S] [--tp T] [--init_from FILE] [--steps N] [--save DIR]
-[--no_launch] [--levers] [--validate_first]``: writes what the rank saw (world, ranks, mesh coordinates, sampler)
-to FACTS_JSON before training, and appends the step number to FACTS_JSON.steps after every optimizer step.
+[--no_launch] [--levers] [--validate_first] [--step_buffer_mb MB]``: writes what the rank saw (world, ranks, mesh
+coordinates, sampler) to FACTS_JSON before training, and appends the step number to FACTS_JSON.steps after every
+optimizer step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num_nodes", type=int, default=2)
     parser.add_argument("--validate_first", action="store_true", help="a 1 x 8 no-grad eval forward before training")
+    parser.add_argument(
+        "--step_buffer_mb", type=int, default=0, help="a buffer of this many MiB held from each forward to its backward"
+    )
     args = parser.parse_args()
     shard_size = int(args.shard_size) if args.shard_size.isdigit() else args.shard_size
     levers = dict(activation_checkpointing_mode="selective", sequence_parallel=True) if args.levers else {}
@@ -74,7 +78,10 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         batch = torch.randint(0, 256, (2, 17), generator=generator).to(fabric.device)
         loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        # a known allocation inside the step, freed before its end (as activations are): what a step's peak must see
+        buffer = torch.ones(args.step_buffer_mb * 2**20 // 4) if args.step_buffer_mb else None
         fabric.backward(loss)
+        del buffer
         optimizer.step()
         optimizer.zero_grad()
         with open(args.facts + ".steps", "a") as steps:

@@ -2297,4 +2297,86 @@ PLANTS: dict[str, Plant] = {
         ("tests/test_context_parallel.py::test_compiled_blocks_and_bf16_mixed_under_context_parallelism",),
         expect='facts["bf16"]',
     ),
+    "46j1": Plant(
+        "bf16-mixed and 16-mixed judged against fp32 within the half dtype's rounding, not 0 < loss < 10 (#46)",
+        "FSDP2 sums the data-parallel ranks' gradients without dividing them (torch 2.8's gloo took AVG as a sum):"
+        " the dtypes, and the losses under AdamW, are as before",
+        (
+            (
+                "unit.set_force_sum_reduction_for_comms(True)  # FSDP2 sums, then divides the shard itself\n",
+                "unit.set_force_sum_reduction_for_comms(True)\n"
+                "                unit.set_gradient_divide_factor(1.0)  # sums, divides by 1\n",
+            ),
+        ),
+        (
+            "tests/test_strategy.py::test_mixed_precision_computes_in_half_over_fp32_shards_and_reduces_in_fp32"
+            "[bf16-mixed-torch.bfloat16]",
+        ),
+        expect='facts["ours"][what] <= tolerance[what]',
+    ),
+    "46j2": Plant(
+        "LoRA training judged by the noise floor of one process, not a fixed 1e-5 on the adapters (#46)",
+        "the sharded run's learning rate is 0.0011 % high: its adapters ~1.1e-5 off (relative), ~8e-6 absolute",
+        (
+            (
+                "        logits_at_start = logits_of(model, inputs).detach().clone()\n"
+                "    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))\n",
+                "        logits_at_start = logits_of(model, inputs).detach().clone()\n"
+                "    optimizer = fabric.setup_optimizers(\n"
+                "        torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE * 1.000011)\n"
+                "    )\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+        expect="assert not {'parameters'",
+    ),
+    "46j3": Plant(
+        "LoRA: 'it trained' is a fall of the loss, not first loss != last (#46)",
+        "the learning rate is 1000x too small in the run and its reference alike: the loss moves, by ~0.001 %",
+        (
+            (
+                "LEARNING_RATE = 1e-2\nSTEPS = 3\nGLOBAL_BATCH = 8\n",
+                "LEARNING_RATE = 1e-5\nSTEPS = 3\nGLOBAL_BATCH = 8\n",
+            ),
+        ),
+        ("tests/test_lora.py::test_lora_base_loads_strict_and_trains_like_one_process",),
+        expect="assert fell > TRAINED_MARGIN",
+    ),
+    "46j4": Plant(
+        "the GPU rehearsal's throughput judged against its logged steps and batch, not tokens_per_s > 0 (#46)",
+        "the throughput counts the micro-batch's token rows with their extra target token (sequence + 1): 3 % high",
+        (
+            (
+                "    tokens = args.micro_batch * config.max_seq_len\n    parameters = sum(",
+                "    tokens = args.micro_batch * (config.max_seq_len + 1)\n    parameters = sum(",
+            ),
+        ),
+        ("tests/test_gpu_check.py::test_the_prepared_gpu_session_rehearses_end_to_end_on_cpu",),
+        expect="assert abs(counted / tokens - 1) <= rounding",
+    ),
+    "46j5": Plant(
+        "the dry run's step peak judged against a buffer the script holds inside the step, not the report's own"
+        " arithmetic with a peak that may be 0 (#46)",
+        "each phase's host peak is the resident set at the phase's end (VmRSS), not its high-water mark (VmHWM)",
+        (
+            (
+                "            host_peak=max(0, host_peak() - self.baseline_host),\n",
+                "            host_peak=max(0, host_resident() - self.baseline_host),\n",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scratch",),
+        expect="assert buffer <= report.step_peak",
+    ),
+    "46j6": Plant(
+        "the planner's peak against the measured peak RSS within 5 % of the ratio measured, not +-25 % (#46)",
+        "the planner's activations forget the loss's fp32 log-probabilities of the logits (8 bytes a logit)",
+        (
+            (
+                "    head = tokens * dims.vocab_size * (element + 8) / vocabulary\n",
+                "    head = tokens * dims.vocab_size * element / vocabulary\n",
+            ),
+        ),
+        ("tests/planning/test_measured.py::test_predicted_shard_bytes_and_peak_memory_match_the_measured",),
+        expect="assert all(0.84 <= ratio <= 0.93",
+    ),
 }
