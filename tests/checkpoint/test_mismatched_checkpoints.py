@@ -156,8 +156,7 @@ def adapter_only_into_the_full_model(num_nodes: int, devices: int, out: str) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_adapter_only_checkpoint_into_the_full_model_fails_with_why_and_adapter_helpers_see_fabrics_module(tmp_path):
-    scenario = "tests.checkpoint.test_mismatched_checkpoints:adapter_only_into_the_full_model"
-    said = launch(scenario, {"out": str(tmp_path)}, num_nodes=1, timeout=200).check().values
+    said = launch(adapter_only_into_the_full_model, {"out": str(tmp_path)}, num_nodes=1, timeout=200).check().values
     said_on_rank = [values["loads"].pop("adapter-only into its LoRA model") for values in said]
     assert said_on_rank[1] == [] and len(said_on_rank[0]) == 1, said_on_rank  # once, by rank 0
     loaded = f"Loaded 8 of the model's 29 tensors from '{tmp_path / 'adapter'}' (strict=False): 21 not in it keep"
