@@ -18,7 +18,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import moe
 from tests.helpers.launch import launch
-from tests.helpers.parity import Trained, beyond_noise, distance, gradient_distance, sampler_rows
+from tests.helpers.parity import (
+    Trained,
+    beyond_noise,
+    distance,
+    gradient_distance,
+    relative_gradient_distance,
+    sampler_rows,
+)
 from tests.helpers.training import SEQ, batch, build, full_state, layer_class, litgpt_config, make_fabric
 
 LEARNING_RATE = 1e-2
@@ -314,7 +321,11 @@ def first_gradients(num_nodes: int, devices: int, variants: dict[str, dict[str, 
         fabric.backward(loss)
         total = fabric.all_reduce(loss.detach(), reduce_op="sum").item() / replicas
         gradients = {name: p.grad.full_tensor() for name, p in sharded.module.named_parameters()}
-        facts[label] = {"gradients": gradient_distance(gradients, exact), "loss": abs(total / reference_loss - 1)}
+        facts[label] = {
+            "gradients": gradient_distance(gradients, exact),
+            "each tensor": relative_gradient_distance(gradients, exact),
+            "loss": abs(total / reference_loss - 1),
+        }
     return facts
 
 
@@ -325,5 +336,6 @@ def test_compiled_blocks_and_bf16_mixed_under_context_parallelism():
     for facts in launch(first_gradients, {"variants": variants}, timeout=240).check().values:
         # each block compiled (the attention's all-gathers inside the graph): fp32 gradients as one process's
         assert facts["compiled"]["gradients"]["value"] < MIN_GRADIENT, facts
-        # bf16 compute against fp32, at a tiny model's bf16 rounding (measured: gradients 3.3e-3, loss 2.6e-5)
-        assert facts["bf16"]["gradients"]["value"] < 2e-2 and facts["bf16"]["loss"] < 1e-2, facts
+        # bf16 compute against fp32, each gradient tensor by its own norm (a wrong attention gradient is not hidden by
+        # the embedding's): measured 1.1e-2 (2.8 of bf16's eps 2^-8, in layer 1's k_proj), the loss 2.6e-5
+        assert facts["bf16"]["each tensor"]["value"] < 4e-2 and facts["bf16"]["loss"] < 4e-4, facts

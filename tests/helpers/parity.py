@@ -115,6 +115,18 @@ def gradient_distance(gradients: dict[str, torch.Tensor], exact: dict[str, torch
     return {"value": each[worst], "tensor": worst}
 
 
+def relative_gradient_distance(gradients: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``max over tensors ||g - exact|| / ||exact||``, each tensor by its own norm (an error in a small tensor is not
+    hidden by the embedding's large norm), and the tensor where it is largest."""
+    each = {
+        name: ((gradients[name].double() - value.double()).norm() / value.double().norm()).item()
+        for name, value in exact.items()
+        if value.double().norm() > 0
+    }
+    worst = max(each, key=each.__getitem__)
+    return {"value": each[worst], "tensor": worst}
+
+
 def _gathered_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as a full tensor (a collective), fused rows (litgpt's qkv) in the stored order."""
     from fabric_hsdp.tensor_parallel import fused_rows_of
