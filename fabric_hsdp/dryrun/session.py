@@ -174,7 +174,10 @@ class DryRunSession:
     def _start_counting(self) -> None:
         from fabric_hsdp.dryrun.counted import counted_step
 
-        self._resident_at_count = max(0, host_resident() - self.meter.baseline_host)
+        if self.device.type == "cuda":  # the device's allocated bytes, as the Meter measures every other phase
+            self._resident_at_count = torch.cuda.memory_allocated(self.device) - self.meter.baseline_device
+        else:
+            self._resident_at_count = max(0, host_resident() - self.meter.baseline_host)
         self._counting = ExitStack()
         self._counter = self._counting.enter_context(counted_step())
 
