@@ -2,6 +2,8 @@
 
     python benchmarks/dryrun_scale.py 70b          # litgpt Llama-3-70B as rank 77 of 16 x 8, TP 8, bf16-true, AC
     python benchmarks/dryrun_scale.py 70b-load     # the same, load_raw from a sparse safetensors file of its shapes
+    python benchmarks/dryrun_scale.py 70b-plan     # the planner's 70B answer on 16 x 8 (FSDP over 128, selective AC,
+                                                   # bf16-mixed, 1 x 2048 tokens), rank 0, 2 steps, --no_compute
     python benchmarks/dryrun_scale.py 8b           # transformers Llama-3-8B (from_config): rank of 2 x 8, 4 x 8 TP 2
                                                    # (--optimizer none: without AdamW's 4 GB of state per rank)
     python benchmarks/dryrun_scale.py world        # setup + load planning of one rank at 8 .. 4096 ranks
@@ -27,13 +29,15 @@ SCRIPT = ROOT / "fabric_hsdp" / "dryrun" / "train_script.py"
 GB = 1e9
 
 
-def dry_run(nodes: int, per_node: int, rank: int, script_args: list[str], max_steps: int = 1) -> dict[str, Any]:
+def dry_run(
+    nodes: int, per_node: int, rank: int, script_args: list[str], max_steps: int = 1, no_compute: bool = False
+) -> dict[str, Any]:
     """One ``fabric-hsdp dryrun`` in a fresh process; its report and wall time."""
     with tempfile.TemporaryDirectory(prefix="dryrun-scale-") as directory:
         report_file = Path(directory) / "report.json"
         command = [sys.executable, "-m", "fabric_hsdp", "dryrun", "--json_file", str(report_file)]
         command += ["--num_nodes", str(nodes), "--devices_per_node", str(per_node), "--rank", str(rank)]
-        command += ["--max_steps", str(max_steps), str(SCRIPT), *script_args]
+        command += ["--max_steps", str(max_steps)] + ["--no_compute"] * no_compute + [str(SCRIPT), *script_args]
         command += ["--num_nodes", str(nodes), "--devices", str(per_node)]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         started = time.perf_counter()
@@ -168,9 +172,19 @@ def case_world() -> None:
             )
 
 
+def case_70b_plan() -> None:
+    """``fabric-hsdp plan Llama-3-70B --num_nodes 16 --devices_per_node 8 --device_memory 80GB``'s answer, rank 0
+    (the largest shards), two steps (the second with AdamW's state), counted without compute."""
+    args = ["--model", "Llama-3-70B", "--shard_size", "128", "--precision", "bf16-mixed", "--seq_len", "2048"]
+    args += ["--activation_checkpointing", "--activation_checkpointing_mode", "selective", "--steps", "2"]
+    report = dry_run(16, 8, 0, args, max_steps=2, no_compute=True)
+    print(row("litgpt Llama-3-70B, the plan's answer", report))
+    print(json.dumps({key: report[key] for key in ("phases", "planned", "notes")}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("case", choices=["70b", "70b-load", "8b", "world"])
+    parser.add_argument("case", choices=["70b", "70b-load", "70b-plan", "8b", "world"])
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"], help="for the 8b case")
     options = parser.parse_args()
     case = options.case
@@ -178,6 +192,8 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, {memory:.0f} GiB, load average {os.getloadavg()[0]:.1f} at the start")
     if case in ("70b", "70b-load"):
         case_70b(load=case == "70b-load")
+    elif case == "70b-plan":
+        case_70b_plan()
     elif case == "8b":
         case_8b(options.optimizer)
     else:

@@ -162,6 +162,42 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     return FakeTensorMode(**kwargs)
 
 
+def data_dependent_output_error() -> type:
+    """The error a fake tensor raises when asked for a value it does not hold (``.item()`` of a computed loss)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    return DataDependentOutputException
+
+
+def active_fake_mode() -> Any:
+    """The innermost active ``FakeTensorMode`` (``torch._guards.active_fake_mode``), None outside one."""
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode()
+
+
+def torch_dispatch_mode_class() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: sees every ATen call made within it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def dtensor_sharding_propagator() -> type:
+    """DTensor's ``ShardingPropagator``, whose ``_propagate_tensor_meta_non_cached`` runs each op once more on fake
+    tensors of the global shapes (under the active fake mode, if any) to learn its output's shape."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    return ShardingPropagator
+
+
+def storages_of(tensor: torch.Tensor) -> list[Any]:
+    """The untyped storages behind ``tensor``, through wrapper subclasses (a DTensor's local tensor)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return list(get_untyped_storages(tensor))
+
+
 # torch.nn: Module's own dicts and hooks, the dropout base class.
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -379,3 +380,96 @@ def test_a_context_parallel_rank_of_2x8_runs_its_split_sequences_in_the_fake_wor
     expected = sum(shard_elements(tuple(parameter.shape), 5, 8) for parameter in model.parameters())
     assert report.local_parameters == expected
     assert {"setup", "step"} <= set(report.phases)
+
+
+def _allocator_peak_of_the_step(run: Any) -> tuple[int, Any]:
+    """``run()`` under torch's profiler: the peak of the bytes torch's CPU allocator holds from the first training
+    forward on, above what it held there (an allocation of a size no tensor has marks the moment)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fabric_hsdp.dryrun import session as session_module
+
+    marker = 7_777_777
+    original = session_module.DryRunSession._record_tokens
+
+    def record_tokens(self: Any, module: Any, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled() and module.training and self.tokens_shape is None:
+            torch.empty(marker, dtype=torch.uint8)  # freed at once: it marks the step's start in the trace
+        return original(self, module, args, kwargs)
+
+    patched = mock.patch.object(session_module.DryRunSession, "_record_tokens", record_tokens)
+    with patched, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        report = run()
+    live, start, peak = 0, None, 0
+    for event in profiler.profiler.kineto_results.events():
+        if event.name() != "[memory]" or event.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        if start is None and event.nbytes() == marker:
+            start = live
+        live += event.nbytes()
+        if start is not None:
+            peak = max(peak, live - start)
+    assert start is not None, "the step's marker is not in the trace"
+    return peak, report
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_no_compute_counts_what_the_real_step_allocates(tmp_path, mode):
+    # one rank of 2 x 4, FSDP over all 8: the step of a small Llama for real (its allocator's peak, read from
+    # torch's profiler) and with --no_compute (tensors without data, allocations counted) allocate the same
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=256,
+    ).save_pretrained(tmp_path)
+    args = ["--model", str(tmp_path), "--shard_size", "world", "--precision", "bf16-mixed", "--seq_len", "128"]
+    args += ["--activation_checkpointing", "--activation_checkpointing_mode", mode]
+    args += ["--num_nodes", "2", "--devices", "4", "--steps", "2"]
+
+    def run(no_compute: bool) -> Any:
+        return dry_run(
+            "fabric_hsdp/dryrun/train_script.py",
+            args,
+            num_nodes=2,
+            devices_per_node=4,
+            rank=0,
+            max_steps=2,
+            save_after_stop=False,
+            no_compute=no_compute,
+        )
+
+    real_peak, real = _allocator_peak_of_the_step(lambda: run(False))
+    counted = run(True)
+    step = counted.phases["step"]
+    assert counted.steps == real.steps == 2
+    assert step["counted_allocations"] == pytest.approx(real_peak, rel=0.02), (step["counted_allocations"], real_peak)
+    assert counted.step_peak == step["counted_peak"] >= step["counted_allocations"]  # + resident at its start
+    assert "--no_compute" in counted.text() and "counted" in counted.text()
+
+
+def test_the_counter_counts_new_storages_until_freed_not_views_in_place_writes_or_real_tensors():
+    from fabric_hsdp.dryrun.counted import counted_step
+
+    real = torch.ones(1000)  # made before: the dry run measures it as resident memory
+    with counted_step() as counter:
+        made = torch.empty(1000)  # 4,000 bytes
+        made.add_(1)  # in place: no new storage
+        view = made.view(10, 100)
+        real.mul_(2)  # in place on a real tensor (through its data-less image): not an allocation
+        assert counter.live == counter.peak == 4000
+        doubled = view * 2  # a new storage: 4,000 bytes more
+        assert counter.live == counter.peak == 8000
+        del made, view, doubled
+        assert counter.live == 0 and counter.peak == 8000
+        grown = torch.empty(0)
+        grown.untyped_storage().resize_(400)  # how FSDP2 allocates its all-gathered parameters
+        assert counter.live == 400
+        grown.untyped_storage().resize_(0)
+        assert counter.live == 0

@@ -23,6 +23,10 @@ real. Every rank's device is this machine's (cuda:0, or the CPU where there is n
 --max_steps 0 it is skipped unless --save_after_stop).
 The report: the mesh and this rank's coordinates, peak memory per phase, bytes read and written, the planner's
 prediction beside the measured peak. Collectives carry no data: losses are not meaningful.
+--no_compute runs the training steps on tensors with shapes and no data (torch's FakeTensorMode) and counts every
+allocation they make: a step of a 70B rank in minutes on a CPU, where computing it would take days. Set-up and loads
+stay real; the step's figure is then counted allocations (resident memory at its start + the steps' peak of
+allocated tensor bytes), not measured memory, and nothing is saved after the first counted forward.
 """
 
 
@@ -49,6 +53,11 @@ def dryrun_parser() -> argparse.ArgumentParser:
         default=None,
         help="when the script has not saved by the step limit, save this rank's share into scratch as its save would"
         " (GBs at 70B; default: on with --max_steps >= 1, off with 0)",
+    )
+    parser.add_argument(
+        "--no_compute",
+        action="store_true",
+        help="run the steps on tensors without data and count their allocations (fast; no save after the steps)",
     )
     parser.add_argument("--scratch", type=str, default=None, help="where saves go (default: a temporary directory)")
     parser.add_argument("--keep_files", action="store_true", help="keep the scratch directory's files")
@@ -81,6 +90,7 @@ def run_dryrun(args: argparse.Namespace) -> None:
         scratch=args.scratch,
         keep_files=args.keep_files,
         save_after_stop=args.save_after_stop,
+        no_compute=args.no_compute,
     )
     document = json.dumps(report.as_dict(), indent=2)
     if args.json_file:
@@ -132,7 +142,7 @@ def _one_rank_in_a_process(args: argparse.Namespace, rank: int) -> dict[str, Any
 def _run_rank_process(args: argparse.Namespace, rank: int, report_file: Path) -> None:
     command = [sys.executable, "-m", "fabric_hsdp", "dryrun", "--json_file", str(report_file), "--rank", str(rank)]
     command += ["--num_nodes", str(args.num_nodes), "--devices_per_node", str(args.devices_per_node)]
-    command += ["--max_steps", str(args.max_steps)]
+    command += ["--max_steps", str(args.max_steps)] + ["--no_compute"] * bool(args.no_compute)
     if args.save_after_stop is not None:
         command.append("--save_after_stop" if args.save_after_stop else "--no-save_after_stop")
     if args.scratch:

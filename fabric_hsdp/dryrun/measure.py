@@ -80,6 +80,8 @@ class Phase:
     device_peak: int | None = None
     bytes_read: int = 0
     seconds: float = 0.0
+    counted_peak: int | None = None  # --no_compute: resident at the step's start plus the step's counted allocations
+    counted_allocations: int | None = None  # --no_compute: the peak of the tensors the steps allocated, bytes
 
 
 @dataclass

@@ -83,6 +83,8 @@ class DryRunReport:
     @property
     def step_peak(self) -> int:
         phase = self.phases.get("step") or {}
+        if phase.get("counted_peak") is not None:
+            return int(phase["counted_peak"])
         peak = phase.get("device_peak")
         return int(peak if peak is not None else phase.get("host_peak", 0))
 
@@ -126,6 +128,13 @@ class DryRunReport:
                 if name == "load"
                 else ""
             )
+            if phase.get("counted_peak") is not None:
+                lines.append(
+                    f"    {name:<6} counted {size(phase['counted_peak'])} (no compute: resident at the first forward"
+                    f" {size(phase['counted_peak'] - phase['counted_allocations'])} + the steps' allocations at their"
+                    f" peak {size(phase['counted_allocations'])}) in {phase['seconds']:.1f} s"
+                )
+                continue
             lines.append(f"    {name:<6} host {size(phase['host_peak'])}{device}{read} in {phase['seconds']:.1f} s")
         for save in self.saves:
             if save["kind"] == "full":
@@ -149,8 +158,9 @@ class DryRunReport:
                 f" activations {size(planned.activations)}, peak {size(planned.total)}"
             )
             if ratio is not None:
+                how = "counted" if (self.phases.get("step") or {}).get("counted_peak") is not None else "measured"
                 lines.append(
-                    f"  measured peak of a step {size(self.step_peak)} vs planned {size(planned.total)}: {ratio:.2f}x"
+                    f"  {how} peak of a step {size(self.step_peak)} vs planned {size(planned.total)}: {ratio:.2f}x"
                 )
         lines.extend(f"  note: {note}" for note in self.notes)
         lines.append(f"  {NOT_MEANINGFUL}")
@@ -178,6 +188,11 @@ def build_report(session: Any) -> DryRunReport:
         notes.append("glibc's mallopt is not available: host figures include memory the allocator keeps after frees")
     if not session.meter.resets:
         notes.append("/proc/self/clear_refs is not writable: each phase's host peak is the run's peak so far")
+    if session.no_compute:
+        notes.append(
+            "--no_compute: the steps ran on tensors with shapes and no data; their memory is counted allocations"
+            " (what torch asks its allocator for, as CUDA's memory_allocated counts), not a run's measured memory"
+        )
     if session.steps < session.max_steps:
         notes.append(f"the script ended after {session.steps} optimizer step(s), before --max_steps")
     if session.steps == 1 and any(_lazy_state(optimizer) for optimizer in session.optimizers):

@@ -35,6 +35,7 @@ def dry_run(
     scratch: str | Path | None = None,
     keep_files: bool = False,
     save_after_stop: bool | None = None,
+    no_compute: bool = False,
 ) -> DryRunReport:
     """Run ``script`` with ``script_args`` as rank ``rank`` of ``num_nodes`` x ``devices_per_node``, stopping after
     ``max_steps`` optimizer steps (0: at the model's first forward, after set-up and loads); return the report.
@@ -43,23 +44,33 @@ def dry_run(
     optimizer into scratch, as its save would (a 70B's share is GBs): default on after at least one step, off with
     ``max_steps=0`` (set-up and loads only).
 
+    With ``no_compute`` the training steps run on tensors that carry shapes but no data (torch's ``FakeTensorMode``)
+    and every allocation they make is counted (:mod:`fabric_hsdp.dryrun.counted`): a 70B rank's step in minutes
+    instead of days of CPU matmuls. Set-up and loads stay real; the step's peak is the resident memory at its start
+    plus the counted peak. Nothing is saved after the first counted forward (the tensors hold no data).
+
     The script runs unchanged as ``__main__`` with torchrun's variables for that rank and torch's fake process group:
     every collective returns at once without data, while shapes, placements, allocations and file reads are real.
 
     Raises:
-        ValueError: A rank outside the world, ``max_steps`` < 0, or a script that never set up a
-            ``HybridFSDPStrategy`` with ``fabric.launch()``.
+        ValueError: A rank outside the world, ``max_steps`` < 0, ``save_after_stop`` with ``no_compute``, or a
+            script that never set up a ``HybridFSDPStrategy`` with ``fabric.launch()``.
         FileNotFoundError: No such script.
         ScriptFailedError: The script failed; the message is its error (a layout that does not divide, an OOM...).
     """
     world = DryRunWorld(num_nodes, devices_per_node, rank)
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
         raise ValueError(f"--max_steps {max_steps!r} must be 0 (set-up and load only) or a positive integer.")
+    if no_compute and save_after_stop:
+        raise ValueError(
+            "--save_after_stop with --no_compute: the counted steps leave tensors without data, nothing to save"
+            " (drop --save_after_stop, or run the step for real without --no_compute)"
+        )
     script = Path(script)
     if not script.is_file():
         raise FileNotFoundError(f"no such script: '{script}'")
     scratch_dir = Path(scratch) if scratch is not None else Path(tempfile.mkdtemp(prefix="fabric-hsdp-dryrun-"))
-    session = DryRunSession(world, max_steps, scratch_dir)
+    session = DryRunSession(world, max_steps, scratch_dir, no_compute=no_compute)
     try:
         with _as_rank(world, script, script_args), fake_process_group(), session.hooks():
             try:
@@ -73,10 +84,12 @@ def dry_run(
                 if session.strategy is None and "`.launch()`" in str(error):
                     raise ValueError(_never_launched(script, session)) from None
                 raise ScriptFailedError(f"{script.name}: {type(error).__name__}: {error}") from error
+            finally:
+                session.stop_counting()
             if session.strategy is None:
                 raise ValueError(_never_launched(script, session))
             if save_after_stop is None:
-                save_after_stop = max_steps > 0
+                save_after_stop = max_steps > 0 and not no_compute
             if save_after_stop and session.steps >= max_steps:
                 session.save_after_stop()
             report = build_report(session)

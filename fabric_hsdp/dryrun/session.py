@@ -18,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from fabric_hsdp.dryrun.measure import Meter
+from fabric_hsdp.dryrun.measure import Meter, host_resident
 from fabric_hsdp.dryrun.save import SaveRecord, full_save_record, save_this_rank
 from fabric_hsdp.dryrun.world import DryRunWorld
 
@@ -50,8 +50,12 @@ class DryRunSession:
     saves: list[SaveRecord] = field(default_factory=list)
     meter: Meter | None = None
     checkpoint_read: int = 0
+    no_compute: bool = False  # the steps run on tensors without data, their allocations counted (dryrun/counted.py)
     _load_depth: int = 0
     _saving: bool = False
+    _counting: ExitStack | None = None
+    _counter: Any = None
+    _resident_at_count: int = 0
 
     def __post_init__(self) -> None:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -163,6 +167,29 @@ class DryRunSession:
         if self.max_steps == 0:  # set-up and loads only: stop before the first forward computes anything
             self.meter.end("setup")  # what ran since the last phase (e.g. the optimizer's set-up) is set-up
             raise StepLimitReached
+        if training and self.no_compute and self._counting is None:
+            self._start_counting()
+
+    # --- --no_compute: the steps on tensors without data, every allocation counted ----------------------------------
+    def _start_counting(self) -> None:
+        from fabric_hsdp.dryrun.counted import counted_step
+
+        if self.device.type == "cuda":  # the device's allocated bytes, as the Meter measures every other phase
+            self._resident_at_count = torch.cuda.memory_allocated(self.device) - self.meter.baseline_device
+        else:
+            self._resident_at_count = max(0, host_resident() - self.meter.baseline_host)
+        self._counting = ExitStack()
+        self._counter = self._counting.enter_context(counted_step())
+
+    def stop_counting(self) -> None:
+        """Leave the counted steps (at the step limit, or when the script ends first) and record them as ``step``."""
+        if self._counting is None or self._counter is None:
+            return
+        self._counting.close()
+        phase = self.meter.end("step")
+        phase.counted_allocations = self._counter.peak
+        phase.counted_peak = self._resident_at_count + self._counter.peak
+        self._counter = None
 
     # --- loads and steps ----------------------------------------------------------------------------------------
     def _load(self, original: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
@@ -181,11 +208,17 @@ class DryRunSession:
             return
         self.steps += 1
         if self.steps >= self.max_steps:
-            self.meter.end("step")
+            if self._counter is not None:
+                self.stop_counting()
+            else:
+                self.meter.end("step")
             raise StepLimitReached
 
     # --- saves: this rank's files into scratch, no commit ----------------------------------------------------------
     def _save(self, original: Any, strategy: Any, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if self.no_compute and self._counting is not None:
+            self.notes.append(f"save '{path}' skipped: under --no_compute the trained tensors hold no data to write")
+            return
         self.meter.end("step")
         strategy.wait_for_checkpoint()
         self._saving = True

@@ -724,7 +724,12 @@ PLANTS: dict[str, Plant] = {
     "34i": Plant(
         "dryrun --max_steps 0 saves nothing unless asked (#34)",
         "the dry run's own save after the limit runs with --max_steps 0 too (3.1 GiB at 70B for a set-up run)",
-        (("                save_after_stop = max_steps > 0\n", "                save_after_stop = True\n"),),
+        (
+            (
+                "                save_after_stop = max_steps > 0 and not no_compute\n",
+                "                save_after_stop = not no_compute\n",
+            ),
+        ),
         ("tests/test_dryrun.py::test_rank_5_of_2x4_loads_its_shard_stops_after_max_steps_and_saves_into_scratch",),
     ),
     "34j": Plant(
@@ -2378,5 +2383,26 @@ PLANTS: dict[str, Plant] = {
         ),
         ("tests/planning/test_measured.py::test_predicted_shard_bytes_and_peak_memory_match_the_measured",),
         expect="assert all(0.84 <= ratio <= 0.93",
+    ),
+    "45n1": Plant(
+        "--no_compute counts the step's allocations as the real step's allocator holds them (#45)",
+        "the counter misses UntypedStorage.resize_, how FSDP2 allocates and frees its all-gathered parameters",
+        (
+            (
+                "            return counter._resize(storage, size)\n",
+                "            return counter._original_resize(storage, size)\n",
+            ),
+        ),
+        ("tests/test_dryrun.py::test_no_compute_counts_what_the_real_step_allocates[selective]",),
+        expect="counted_allocations",
+    ),
+    "45n2": Plant(
+        "--no_compute counts the step's allocations as the real step's allocator holds them (#45)",
+        "an op's output that shares an input's storage (in place, a view) is counted as a new allocation",
+        (("            if declared.alias_info is not None:\n", "            if False:\n"),),
+        (
+            "tests/test_dryrun.py::test_the_counter_counts_new_storages_until_freed_not_views_in_place_writes_or_real_tensors",
+        ),
+        expect="assert counter.live == counter.peak == 4000",
     ),
 }
