@@ -214,6 +214,7 @@ def launch(
     fail_grace: float = 30.0,
     env: dict[str, str] | None = None,
     out_dir: str | Path | None = None,
+    interpreter_exit: bool = False,
 ) -> LaunchResult:
     """Run ``scenario`` (``"tests.test_file:function"``) on ``num_nodes x ranks_per_node`` CPU processes.
 
@@ -224,12 +225,18 @@ def launch(
     ``MASTER_PORT`` is one the OS reported free, which another process may take before rank 0 binds it (other jobs
     on the machine launch too): when rank 0 then fails with ``EADDRINUSE`` on it, before any rank has run the
     scenario, the ranks are ended and started again on another port, up to ``PORT_ATTEMPTS`` times in all.
+
+    ``interpreter_exit=True``: a rank whose scenario returned ends through the interpreter's whole teardown, as a
+    script does, for the tests of how a rank exits; by default it skips the teardown of the modules (``worker.py``
+    says what it still runs).
     """
     _start_server()
     timeout = _budget(timeout)
     workdir = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hsdp-launch-"))
     workdir.mkdir(parents=True, exist_ok=True)
     call_args = dict(args or {}, num_nodes=num_nodes, devices=ranks_per_node)
+    if interpreter_exit:
+        env = dict(env or {}, FABRIC_HSDP_TEST_INTERPRETER_EXIT="1")
     deadline = time.monotonic() + timeout
     for _ in range(PORT_ATTEMPTS):
         port = free_port()
