@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import moe
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, launch_cases
 from tests.helpers.parity import Trained, beyond_noise, distance, sampler_rows
 from tests.helpers.training import batch, full_state, make_fabric
 
@@ -61,11 +61,16 @@ def train(num_nodes: int, devices: int, kind: str, steps: int = 3) -> dict[str, 
 LAYERS = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "litgpt_moe": "Block"}
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def trained_kinds() -> dict[str, list[dict[str, Any]]]:
+    """Each kind's facts per rank, all from one launch (each test below reads its kind)."""
+    return launch_cases("tests.test_moe:train", {kind: {"kind": kind} for kind in moe.KINDS}, timeout=480)
+
+
+@pytest.mark.timeout(540)  # the launch of all kinds, when this test runs first
 @pytest.mark.parametrize("kind", moe.KINDS)
-def test_three_steps_match_one_process_with_each_rank_routing_its_own_batch(kind):
-    values = launch("tests.test_moe:train", {"kind": kind}, timeout=240).check().values
-    for rank, facts in enumerate(values):
+def test_three_steps_match_one_process_with_each_rank_routing_its_own_batch(trained_kinds, kind):
+    for rank, facts in enumerate(trained_kinds[kind]):
         assert not beyond_noise(facts["ours"], facts["floor"]), (rank, facts["ours"], facts["floor"])
         # each decoder layer is one unit with its experts inside (no expert a unit of its own), plus the
         # embedding, the norm + head and the root

@@ -10,6 +10,7 @@ Ranks are forked from a process that has imported torch and Lightning once (see 
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import select
@@ -246,6 +247,21 @@ def launch(
     if out_dir is None:
         shutil.rmtree(workdir, ignore_errors=True)  # everything it held is in `result` now
     return result
+
+
+def launch_cases(scenario: str, cases: dict[str, dict[str, Any]], **options: Any) -> dict[str, list[Any]]:
+    """``scenario`` run once per case (label -> its JSON args), one case after the other in one launch: the ranks'
+    set-up (forks, process group, first-call warm-ups) paid once for a parametrized test's cases. Checked (every rank
+    exited 0); returns each case's values, one per rank. ``options``: :func:`launch`'s (``timeout`` covers all)."""
+    values = launch("tests.helpers.launch:run_cases", {"scenario": scenario, "cases": cases}, **options).check().values
+    return {label: [rank[label] for rank in values] for label in cases}
+
+
+def run_cases(num_nodes: int, devices: int, scenario: str, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The body :func:`launch_cases` launches: each case's value, by label."""
+    module_name, function_name = scenario.split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    return {label: function(num_nodes=num_nodes, devices=devices, **args) for label, args in cases.items()}
 
 
 PORT_ATTEMPTS = 3
