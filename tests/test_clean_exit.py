@@ -49,7 +49,7 @@ def test_consecutive_launches_of_each_kind_exit_with_their_status(tmp_path):
         if failing:
             options["checkpoint"] = str(tmp_path / "broken.pth")
         scenario = "train_then_fail_to_load" if failing else "train_and_exit"
-        result = launch(f"tests.test_clean_exit:{scenario}", options, timeout=120)
+        result = launch(f"tests.test_clean_exit:{scenario}", options, timeout=120, interpreter_exit=True)
         expected = [1, 1, 1, 1] if failing else [0, 0, 0, 0]
         aborted = [r.global_rank for r in result.ranks if any(text in r.stderr for text in ABORTS)]
         if result.timed_out or result.returncodes != expected or aborted:
@@ -70,7 +70,13 @@ def test_a_rank_that_fails_while_starting_destroys_its_process_group_before_the_
     check (it raises once the group exists) leaves no group for the interpreter's teardown to destroy. Left to that
     teardown, a rank aborted once in CI ("terminate called without an active exception", SLURM's task state
     "Aborted", in the ``srun --distribution=cyclic`` test)."""
-    result = launch(fail_while_starting, {"out": str(tmp_path)}, timeout=120, env={"FABRIC_HSDP_DEBUG": "1"})
+    result = launch(
+        fail_while_starting,
+        {"out": str(tmp_path)},
+        timeout=120,
+        env={"FABRIC_HSDP_DEBUG": "1"},
+        interpreter_exit=True,
+    )
     assert not result.timed_out and result.returncodes == [1, 1, 1, 1], [r.stderr[-800:] for r in result.ranks]
     assert all("numbered the global ranks across nodes (planted)" in r.stderr for r in result.ranks)
     alive_at_exit = sorted(file.read_text() for file in tmp_path.iterdir())

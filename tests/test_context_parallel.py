@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import moe
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, launch_cases
 from tests.helpers.parity import (
     Trained,
     beyond_noise,
@@ -140,14 +140,23 @@ def train(num_nodes: int, devices: int, kind: str, documents: int) -> dict[str, 
     return facts
 
 
+# 2 documents: the mask from global indices and documents; 1: each chunk causal bottom-right, no mask made
+# litgpt: its attention class swapped, RoPE at the rank's positions from its place in the context group
+CASES = [("hf", 2), ("hf", 1), ("qwen3_moe", 2), ("litgpt", 1)]
+
+
+@pytest.fixture(scope="module")
+def trained_cases() -> dict[str, list[dict[str, Any]]]:
+    """Each case's facts per rank, all from one launch (each test below reads its case)."""
+    cases = {f"{kind}-{documents}": {"kind": kind, "documents": documents} for kind, documents in CASES}
+    return launch_cases(train, cases, timeout=480)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("kind", "documents"), [("hf", 2), ("hf", 1), ("qwen3_moe", 2), ("litgpt", 2)])
-def test_packed_sequences_split_over_two_ranks_train_as_one_process(kind, documents):
-    # 2 documents: the mask from global indices and documents; 1: each chunk causal bottom-right, no mask made
-    # litgpt: its attention class swapped, RoPE at the rank's positions from its place in the context group
-    launched = launch(train, {"kind": kind, "documents": documents}, timeout=240)
-    for rank, facts in enumerate(launched.check().values):
+@pytest.mark.timeout(540)  # the launch of all cases, when this test runs first
+@pytest.mark.parametrize(("kind", "documents"), CASES)
+def test_packed_sequences_split_over_two_ranks_train_as_one_process(trained_cases, kind, documents):
+    for rank, facts in enumerate(trained_cases[f"{kind}-{documents}"]):
         assert facts["replicas"] == 2  # 4 ranks, context groups of 2: two data-parallel ranks
         tolerance = max(GRADIENT_NOISE_FACTOR * facts["gradient_floor"], MIN_GRADIENT)
         for label in VARIANTS:

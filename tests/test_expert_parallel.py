@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import moe
 from tests.helpers.counters import OpCounter
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, launch_cases
 from tests.helpers.parity import Trained, beyond_noise, distance, gradient_distance, sampler_rows
 from tests.helpers.training import batch, full_state, make_fabric
 
@@ -110,12 +110,17 @@ def train(num_nodes: int, devices: int, kind: str) -> dict[str, Any]:
     return facts
 
 
+@pytest.fixture(scope="module")
+def trained_kinds() -> dict[str, list[dict[str, Any]]]:
+    """Each kind's facts per rank, all from one launch (each test below reads its kind)."""
+    return launch_cases(train, {kind: {"kind": kind} for kind in moe.FUSED_KINDS}, timeout=480)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)  # the launch of all kinds, when this test runs first
 @pytest.mark.parametrize("kind", moe.FUSED_KINDS)
-def test_three_steps_with_accumulation_and_recompute_match_one_process(kind):
-    values = launch(train, {"kind": kind}, timeout=240).check().values
-    for rank, facts in enumerate(values):
+def test_three_steps_with_accumulation_and_recompute_match_one_process(trained_kinds, kind):
+    for rank, facts in enumerate(trained_kinds[kind]):
         gradient_tolerance = max(GRADIENT_NOISE_FACTOR * facts["gradient_floor"], MIN_GRADIENT)
         for label in VARIANTS:
             run = facts[label]
@@ -172,14 +177,22 @@ def one_rank_gets_every_token(num_nodes: int, devices: int, kind: str, implement
     return {"gradients": gradient_distance(gradients, exact), "unused": unused}
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
-def test_a_rank_whose_experts_get_no_token_takes_part_and_gets_zero_gradients(implementation):
-    # transformers' experts forwards: eager loops over the experts that got rows (none: no use of the weights),
-    # grouped_mm multiplies by all of them
-    args = {"kind": "qwen3_moe", "implementation": implementation}
-    values = launch(one_rank_gets_every_token, args, timeout=90)
-    for facts in values.check().values:
+# transformers' experts forwards: eager loops over the experts that got rows (none: no use of the weights), grouped_mm
+# multiplies by all of them
+IMPLEMENTATIONS = ["eager", "grouped_mm"]
+
+
+@pytest.fixture(scope="module")
+def routed_to_one_rank() -> dict[str, list[dict[str, Any]]]:
+    """Each experts implementation's facts per rank, both from one launch."""
+    cases = {name: {"kind": "qwen3_moe", "implementation": name} for name in IMPLEMENTATIONS}
+    return launch_cases(one_rank_gets_every_token, cases, timeout=150)
+
+
+@pytest.mark.timeout(180)  # the launch of both, when this test runs first
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_rank_whose_experts_get_no_token_takes_part_and_gets_zero_gradients(routed_to_one_rank, implementation):
+    for facts in routed_to_one_rank[implementation]:
         assert facts["gradients"]["value"] < 1e-6, facts
 
 

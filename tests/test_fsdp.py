@@ -69,15 +69,24 @@ def forward_without_gradients_first(num_nodes: int, devices: int, reshard_after_
     return {"plain_after_eval": plain_after_eval, "plain_after_steps": plain_after_steps, "losses": losses}
 
 
+RESHARD_AFTER_FORWARD = [None, False]
+
+
+@pytest.fixture(scope="module")
+def forwards_without_gradients() -> dict[str, list[dict]]:
+    """Each ``reshard_after_forward``'s facts per rank, both from one launch."""
+    from tests.helpers.launch import launch_cases
+
+    cases = {str(value): {"reshard_after_forward": value} for value in RESHARD_AFTER_FORWARD}
+    return launch_cases(forward_without_gradients_first, cases, timeout=240)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("reshard_after_forward", [None, False])
-def test_a_forward_without_gradients_leaves_the_model_sharded(reshard_after_forward):
+@pytest.mark.parametrize("reshard_after_forward", RESHARD_AFTER_FORWARD)
+def test_a_forward_without_gradients_leaves_the_model_sharded(forwards_without_gradients, reshard_after_forward):
     """#35 item 4: the root unit (and units that keep parameters after forward) stayed gathered after a no-grad
     forward, so an optimizer made then held unsharded tensors and setup_optimizers refused it."""
-    from tests.helpers.launch import launch
-
-    result = launch(forward_without_gradients_first, {"reshard_after_forward": reshard_after_forward})
-    for facts in result.check().values:
+    for facts in forwards_without_gradients[str(reshard_after_forward)]:
         assert facts["plain_after_eval"] == [] and facts["plain_after_steps"] == [], facts
         assert facts["losses"][1] < facts["losses"][0]
 
@@ -113,15 +122,23 @@ UNITS = {  # (FSDP2 marks both modules of the norm + head unit)
 }
 
 
+@pytest.fixture(scope="module")
+def units_of_each_kind() -> dict[str, list[dict]]:
+    """Each kind's units and gathered bytes per rank (1 node x 2 ranks), all from one launch."""
+    from tests.helpers.launch import launch_cases
+
+    cases = {kind: {"kind": kind} for kind in sorted(UNITS)}
+    return launch_cases(units_and_gathered_bytes, cases, num_nodes=1, ranks_per_node=2, timeout=240)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(UNITS))
-def test_embedding_and_head_are_units_of_their_own_so_the_embedding_is_freed_after_its_forward(kind):
+def test_embedding_and_head_are_units_of_their_own_so_the_embedding_is_freed_after_its_forward(
+    units_of_each_kind, kind
+):
     """#35 item 7: in the root unit the embedding, final norm and head stayed gathered through the whole step."""
-    from tests.helpers.launch import launch
-
     units, gathered = UNITS[kind]
-    values = launch(units_and_gathered_bytes, {"kind": kind}, num_nodes=1, ranks_per_node=2)
-    for facts in values.check().values:
+    for facts in units_of_each_kind[kind]:
         assert facts["units"] == units
         # after the forward only the last unit (final norm + head, which the backward starts with) is gathered
         assert sorted(facts["gathered"]) == gathered, facts["gathered"]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fabric_hsdp.setup.pipeline
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, launch_cases
 from tests.helpers.training import VOCAB, hf_config, make_fabric
 
 
@@ -23,10 +23,19 @@ def test_shards_in_cpu_memory_under_a_cuda_root_device_get_their_own_random_valu
         assert facts["std"] == pytest.approx(64**-0.5 / 3**0.5, rel=0.1)
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_transformers_models_get_their_own_init_not_torch_defaults(tensor_parallel_size):
-    result = launch(transformers_init, {"tensor_parallel_size": tensor_parallel_size})
-    facts = result.check().values[0]
+TENSOR_PARALLEL_SIZES = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def initialized() -> dict[str, list[dict[str, Any]]]:
+    """The facts of each tensor_parallel_size, per rank, both from one launch."""
+    cases = {str(size): {"tensor_parallel_size": size} for size in TENSOR_PARALLEL_SIZES}
+    return launch_cases(transformers_init, cases, timeout=240)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", TENSOR_PARALLEL_SIZES)
+def test_transformers_models_get_their_own_init_not_torch_defaults(initialized, tensor_parallel_size):
+    facts = initialized[str(tensor_parallel_size)][0]
     sharded, reference = facts["sharded"], facts["from_config"]
     assert sharded.keys() == reference.keys()
     for name, expected in reference.items():

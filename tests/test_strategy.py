@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fabric_hsdp import HybridFSDPStrategy
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, launch_cases
 from tests.helpers.parity import BUGS, beyond_noise, parity
 from tests.helpers.training import batch, build, copy_full_into, layer_class, logits_of, make_fabric
 
@@ -23,10 +23,24 @@ pytestmark = pytest.mark.slow
 LAYER_PARAMS = "layers.0.feed_forward.w1.weight"  # [96, 64] in the tiny model
 
 
-@pytest.mark.parametrize("kind", ["llama", "litgpt", "hf"])
-def test_hsdp_mesh_placements_and_meta_init(kind):
-    values = launch(placements, {"kind": kind}).check().values
-    for rank, facts in enumerate(values):
+KINDS = ["llama", "litgpt", "hf"]
+SHARD_SIZES = [4, "world"]
+
+
+@pytest.fixture(scope="module")
+def placed() -> dict[str, list[dict[str, Any]]]:
+    """:func:`placements` of each kind (shard_size="node") and each shard size (llama), per rank, from one launch."""
+    cases = {
+        **{kind: {"kind": kind} for kind in KINDS},
+        **{f"shard_size={size}": {"shard_size": size} for size in SHARD_SIZES},
+    }
+    return launch_cases(placements, cases, timeout=300)
+
+
+@pytest.mark.timeout(360)  # the launch of all cases, when this test runs first
+@pytest.mark.parametrize("kind", KINDS)
+def test_hsdp_mesh_placements_and_meta_init(placed, kind):
+    for rank, facts in enumerate(placed[kind]):
         assert facts["mesh_shape"] == (2, 2)
         assert facts["mesh_dim_names"] == ("replicate", "shard")
         assert facts["mesh_coordinate"] == facts["coordinates"] == (rank // 2, rank % 2)
@@ -53,10 +67,10 @@ def test_init_gives_distinct_shards_and_identical_replicas_with_per_rank_seeds()
             assert values["std"] == pytest.approx(64**-0.5 / 3**0.5, rel=0.1)
 
 
-@pytest.mark.parametrize("shard_size", [4, "world"])
-def test_full_shard_over_world(shard_size):
-    values = launch(placements, {"shard_size": shard_size}).check().values
-    for rank, facts in enumerate(values):
+@pytest.mark.timeout(360)  # the launch of all cases, when this test runs first
+@pytest.mark.parametrize("shard_size", SHARD_SIZES)
+def test_full_shard_over_world(placed, shard_size):
+    for rank, facts in enumerate(placed[f"shard_size={shard_size}"]):
         assert facts["mesh_shape"] == (1, 4)
         assert facts["mesh_coordinate"] == (0, rank)
         assert facts["local_shapes"][LAYER_PARAMS] == (24, 64)
@@ -71,23 +85,35 @@ def test_invalid_shard_size_fails_every_rank_with_the_arithmetic():
         assert "Choose a divisor: [1, 2, 4]" in rank.stderr
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"kind": "llama", "reshard_after_forward": False},
-        {"kind": "llama", "accumulate": 2, "clip": "norm", "activation_checkpointing": True, "bugs": list(BUGS)},
-        {"kind": "litgpt", "accumulate": 2, "clip": "norm", "activation_checkpointing": True},
-        {"kind": "hf", "clip": "value", "setup_together": True, "activation_checkpointing": True},
-    ],
-    ids=[
-        "llama-no-reshard",
-        "llama-accumulate-clipnorm-ac-and-bugs",
-        "litgpt-accumulate-clipnorm-ac",
-        "hf-clipvalue-setup-ac",
-    ],
-)
-def test_training_matches_single_process(options):
-    values = launch(parity, options).check().values
+TRAINING = {
+    "llama-no-reshard": {"kind": "llama", "reshard_after_forward": False},
+    "llama-accumulate-clipnorm-ac-and-bugs": {
+        "kind": "llama",
+        "accumulate": 2,
+        "clip": "norm",
+        "activation_checkpointing": True,
+        "bugs": list(BUGS),
+    },
+    "litgpt-accumulate-clipnorm-ac": {
+        "kind": "litgpt",
+        "accumulate": 2,
+        "clip": "norm",
+        "activation_checkpointing": True,
+    },
+    "hf-clipvalue-setup-ac": {"kind": "hf", "clip": "value", "setup_together": True, "activation_checkpointing": True},
+}
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, list[dict[str, Any]]]:
+    """Each training case's parity facts per rank, all from one launch."""
+    return launch_cases(parity, TRAINING, timeout=400)
+
+
+@pytest.mark.timeout(460)  # the launch of all cases, when this test runs first
+@pytest.mark.parametrize("case", list(TRAINING))
+def test_training_matches_single_process(trained, case):
+    options, values = TRAINING[case], trained[case]
     assert [v["sampler"] for v in values] == [{"num_replicas": 4, "rank": rank} for rank in range(4)]
     # every rank's distance: each rank gathers its own replica's parameters (full_tensor() of (Replicate, Shard)
     # gathers over "shard" only), so ranks 2 and 3 judge replica 1

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import moe
 from tests.helpers.counters import ReadCounter
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, launch_cases
 from tests.helpers.training import full_state, make_fabric
 
 pytestmark = pytest.mark.slow
@@ -76,22 +76,20 @@ def test_save_pretrained_writes_one_tensor_per_expert(hub_files):
         assert "model.layers.1.block_sparse_moe.experts.2.w3.weight" in source
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize(
-    ("kind", "modes"),
-    [("qwen3_moe", [None, "rank0"]), ("mixtral", [None, "turns"]), ("litgpt_moe", [None])],
-)
-def test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts(hub_files, kind, modes):
-    values = (
-        launch(
-            load_hub,
-            {"kind": kind, "path": str(hub_files[kind]), "modes": modes},
-            timeout=360,
-        )
-        .check()
-        .values
-    )
-    for rank, per_mode in enumerate(values):
+HUB_LOADS = [("qwen3_moe", [None, "rank0"]), ("mixtral", [None, "turns"]), ("litgpt_moe", [None])]
+
+
+@pytest.fixture(scope="module")
+def hub_loads(hub_files) -> dict[str, list[list[dict]]]:
+    """Each kind's outcomes per rank (one per load mode), all from one launch."""
+    cases = {kind: {"kind": kind, "path": str(hub_files[kind]), "modes": modes} for kind, modes in HUB_LOADS}
+    return launch_cases(load_hub, cases, timeout=360)
+
+
+@pytest.mark.timeout(420)  # the launch of all kinds, when this test runs first
+@pytest.mark.parametrize(("kind", "modes"), HUB_LOADS)
+def test_hub_layout_loads_into_hsdp_with_each_rank_reading_its_experts(hub_loads, kind, modes):
+    for rank, per_mode in enumerate(hub_loads[kind]):
         for outcome in per_mode:
             assert outcome["missing"] == [] and outcome["unexpected"] == [], (rank, outcome)
             assert outcome["weights_differ"] == [], (rank, outcome)

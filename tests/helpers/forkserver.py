@@ -4,8 +4,8 @@ A rank started with ``python`` spends about 5 s of CPU importing Lightning (2.3 
 checks import torchmetrics, which imports transformers), and the suite starts hundreds of ranks on 2 cores. Forking
 from a process that has done those imports costs milliseconds. A forked rank is still a real process of its own: its
 own pid and session, stdout and stderr going to its own files, the environment and working directory the launcher
-gives it, and it ends through the normal interpreter shutdown (``atexit`` handlers such as the strategy's exit
-handler, then finalisation), as a script started with ``python`` does. The server itself starts no thread and no
+gives it, and it ends as ``worker.py`` says (``atexit`` handlers such as the strategy's exit handler run; the
+modules' teardown only for the tests of how a rank exits). The server itself starts no thread and no
 process group, so nothing but the imports is inherited.
 
 Protocol, one JSON object per line: the launcher writes ``{"argv", "env", "cwd", "stdout", "stderr"}`` to the
@@ -42,6 +42,7 @@ PRELOAD = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "litgpt.model",
+    "torch._inductor.compile_fx",  # what torch.compile imports on its first call: 5 s of CPU a rank on a busy core
     "pytest",  # a test module holds the bodies its tests launch, and imports pytest
     "tests.helpers.training",
 )

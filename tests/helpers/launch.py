@@ -10,6 +10,7 @@ Ranks are forked from a process that has imported torch and Lightning once (see 
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import select
@@ -215,6 +216,7 @@ def launch(
     fail_grace: float = 30.0,
     env: dict[str, str] | None = None,
     out_dir: str | Path | None = None,
+    interpreter_exit: bool = False,
 ) -> LaunchResult:
     """Run ``scenario`` (a module-level function of the tests, or its ``"tests.test_file:function"``) on
     ``num_nodes x ranks_per_node`` CPU processes; each rank imports it by its module and name.
@@ -226,14 +228,19 @@ def launch(
     ``MASTER_PORT`` is one the OS reported free, which another process may take before rank 0 binds it (other jobs
     on the machine launch too): when rank 0 then fails with ``EADDRINUSE`` on it, before any rank has run the
     scenario, the ranks are ended and started again on another port, up to ``PORT_ATTEMPTS`` times in all.
+
+    ``interpreter_exit=True``: a rank whose scenario returned ends through the interpreter's whole teardown, as a
+    script does, for the tests of how a rank exits; by default it skips the teardown of the modules (``worker.py``
+    says what it still runs).
     """
-    if callable(scenario):
-        scenario = f"{scenario.__module__}:{scenario.__qualname__}"
+    scenario = _named(scenario)
     _start_server()
     timeout = _budget(timeout)
     workdir = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hsdp-launch-"))
     workdir.mkdir(parents=True, exist_ok=True)
     call_args = dict(args or {}, num_nodes=num_nodes, devices=ranks_per_node)
+    if interpreter_exit:
+        env = dict(env or {}, FABRIC_HSDP_TEST_INTERPRETER_EXIT="1")
     deadline = time.monotonic() + timeout
     for _ in range(PORT_ATTEMPTS):
         port = free_port()
@@ -243,6 +250,28 @@ def launch(
     if out_dir is None:
         shutil.rmtree(workdir, ignore_errors=True)  # everything it held is in `result` now
     return result
+
+
+def _named(scenario: Callable[..., Any] | str) -> str:
+    """``"module:function"``, as each rank imports it."""
+    return scenario if isinstance(scenario, str) else f"{scenario.__module__}:{scenario.__qualname__}"
+
+
+def launch_cases(
+    scenario: Callable[..., Any] | str, cases: dict[str, dict[str, Any]], **options: Any
+) -> dict[str, list[Any]]:
+    """``scenario`` run once per case (label -> its JSON args), one case after the other in one launch: the ranks'
+    set-up (forks, process group, first-call warm-ups) paid once for a parametrized test's cases. Checked (every rank
+    exited 0); returns each case's values, one per rank. ``options``: :func:`launch`'s (``timeout`` covers all)."""
+    values = launch(run_cases, {"scenario": _named(scenario), "cases": cases}, **options).check().values
+    return {label: [rank[label] for rank in values] for label in cases}
+
+
+def run_cases(num_nodes: int, devices: int, scenario: str, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The body :func:`launch_cases` launches: each case's value, by label."""
+    module_name, function_name = scenario.split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    return {label: function(num_nodes=num_nodes, devices=devices, **args) for label, args in cases.items()}
 
 
 PORT_ATTEMPTS = 3
