@@ -15,7 +15,7 @@ CONSTRAINTS ?= .ci/constraints.txt
 PYTEST_ARGS ?=
 # pytest-timeout's session limits (tests/conftest.py cuts each test's timeout to what is left, so a hang ends named):
 # `make test` measured 1015 s on a fresh clone, the core tests 181-312 s (2.14.1 the slowest) before compile, MoE,
-# LoRA, staging and float8 joined them (an estimated 60-140 s more per release, scaled from a loaded machine); a hang
+# LoRA, staging and float8 joined them (an estimated 55-75 s more per release, scaled from a loaded machine); a hang
 # stops the run (make stops at the first failure), so one limit is spent at most, long before CI's 90 minutes.
 SESSION_TIMEOUT ?= 2400
 CORE_SESSION_TIMEOUT ?= 900
