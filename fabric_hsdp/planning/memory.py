@@ -25,7 +25,9 @@ alive together (gradients are freed by ``zero_grad()``, so none exists before ba
   still kept): the kept activations, one layer recomputed, the logits, the previous unit's reduce-scatter input (at
   the last block the head's), the block and the prefetched layer gathered, and the block's gradients;
 * the end of backward, when the gradients are complete and the activations gone: the root unit and its gradient
-  buffers;
+  buffers (the whole root, embedding and head, an upper bound kept on purpose: with the embedding's unit alone the
+  first step of docs/dryrun.md's 8B HSDP row, bf16-true, 2 tokens, plans 7.15 GB where its host peak was 8.72 GB;
+  the counted step of a 4-layer Llama at 2 tokens is 1.03x of that tighter model, 0.66x of this one);
 * the optimizer step: the gradients and the step temporaries, one tensor per parameter shard for foreach AdamW
   (``sqrt`` of the second moment).
 
@@ -377,6 +379,7 @@ def memory_per_device(
     # the last block's weights and gradients, the prefetched layer, and the reduce-scatter input of the unit before
     # (the head's at the last block: counted 4.20 GB in fp32 at the 70B answer's peak, docs/dryrun.md)
     gathered_bytes = (at_layer + largest_layer) * compute + max(head_unit, largest_layer) * reduce
+    # the whole root unit, an upper bound (the module docstring: the embedding's unit alone under-plans a measured run)
     end_of_backward = unsharded[""] * (2 * compute + reduce)
     if training.keep_gathered_while_accumulating:  # between micro-batches every unit stays gathered
         end_of_backward = max(end_of_backward, gathered * compute + unsharded[""] * (compute + reduce))
