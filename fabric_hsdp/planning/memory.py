@@ -8,16 +8,35 @@ Parameters and gradients take the state dtype (fp32 under mixed precision), Adam
 precision are held in the compute dtype (what the strategy does); the gathered units and their gradient buffers are
 still counted in full (an upper bound for a frozen unit).
 
-Gathered units: the root unit (embeddings, final norm, output head) stays gathered from the start of forward to the
-end of backward; two layers are gathered at a time (the one computing and the one prefetched); in backward the
-output head's unsharded gradient lives until the root unit reduces its gradients, and each layer's unsharded
-gradients (compute dtype) get a copy in the reduce dtype for the reduce-scatter.
+Gathered units (the strategy's, ``fsdp.outer_units``): each token embedding is a unit of its own, freed after its
+forward; the final norm and output head are one unit, gathered from its forward until its post-backward, which frees
+its weights and copies its unsharded gradient into the reduce dtype for the reduce-scatter (an embedding tied to the
+head stays in the root, gathered to the end of backward); two layers are gathered at a time (the one computing and
+the one prefetched); a unit's reduce-scatter input stays allocated until the next unit's reduce-scatter starts.
+With ``reshard_after_forward=False`` every unit stays gathered.
 
-The total is the peak, not the sum of the columns: activations peak at the start of backward, before any gradient
-exists (gradients are freed by ``zero_grad()``), and gradients are complete at its end, when the activations are
-gone. So ``total = parameters + optimizer + max(activations + gathered, gradients + root unit and its gradient
-buffers, gradients + optimizer-step temporaries)``; the step temporaries are one tensor per parameter shard for
-foreach AdamW (``sqrt`` of the second moment).
+The total is the peak, not the sum of the columns: the largest of the moments in which the transient memory is
+alive together (gradients are freed by ``zero_grad()``, so none exists before backward):
+
+* the loss and head backward: every layer's kept activations, the loss's tensors, the head unit gathered with its
+  gradient, the last layer prefetched; then the head's reduce-scatter (its weights freed, its gradient and the
+  reduce-dtype copy, the compute-dtype logits still alive);
+* a layer's backward, the largest at the last block (the first to backpropagate, with every layer's activations
+  still kept): the kept activations, one layer recomputed, the logits, the previous unit's reduce-scatter input (at
+  the last block the head's), the block and the prefetched layer gathered, and the block's gradients;
+* the end of backward, when the gradients are complete and the activations gone: the root unit and its gradient
+  buffers (the whole root, embedding and head, an upper bound kept on purpose: with the embedding's unit alone the
+  first step of docs/dryrun.md's 8B HSDP row, bf16-true, 2 tokens, plans 7.15 GB where its host peak was 8.72 GB;
+  the counted step of a 4-layer Llama at 2 tokens is 1.03x of that tighter model, 0.66x of this one);
+* the optimizer step: the gradients and the step temporaries, one tensor per parameter shard for foreach AdamW
+  (``sqrt`` of the second moment).
+
+Measured (issue #45, ``fabric-hsdp dryrun --no_compute``, which counts every allocation of the real step, docs/
+dryrun.md): the planner's 70B answer on 16 x 8 (FSDP over 128, selective AC, 1 x 2048 tokens) peaks in the last
+block's MLP backward at 49.63 GB, with the head's fp32 reduce-scatter input (4.20 GB), one prefetched layer, the
+block's weights and gradients so far and the bf16 logits live, but not the embedding, the head's weights, the loss's
+fp32 tensors or any layer's reduce-dtype copy; the planner had summed all of those at the start of backward (57.83
+GB, 0.86x).
 
 Activations are an estimate, per token of the micro-batch, for a Llama-style block with fused (flash or
 memory-efficient) attention, in bytes: ``b_a (2h + (5h + 2 kv + 4 i) / T) + 2 h max(b_a, 4)`` per layer (the last
@@ -53,7 +72,7 @@ from typing import Literal
 
 from fabric_hsdp.planning.context import gathered_key_value_bytes, local_training, split_attention_bytes
 from fabric_hsdp.planning.experts import is_fused_expert, received_tokens_bytes
-from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims
+from fabric_hsdp.planning.model import ModelShape, ParameterShape, TransformerDims, is_token_embedding
 from fabric_hsdp.setup.precision import PRECISION_DTYPES, PrecisionDtypes, canonical_precision
 
 Optimizer = Literal["adamw", "sgd", "none"]
@@ -204,9 +223,16 @@ class Memory:
         parameters: Sharded parameters.
         gradients: Sharded gradients (complete at the end of backward).
         optimizer: Optimizer state of the sharded parameters.
-        gathered: Unsharded parameters and gradients at the start of backward: the root unit, two layers, the output
-            head's gradient and one layer's gradient buffers.
-        activations: Activations at the start of backward (an estimate).
+        gathered: Unsharded parameters and gradient buffers in the last block's backward: the block and the prefetched
+            layer, the block's gradients and the previous unit's reduce-scatter input (the head's).
+        activations: Activations at the start of backward (an estimate): every layer's kept activations, one layer's
+            recompute and the loss's tensors.
+        loss_activations: Of ``activations``, the loss's: the logits, fp32 log-probabilities and their gradient.
+        recompute: Of ``activations``, one checkpointed layer's forward again (alive only in a layer's backward).
+        logits: Of ``loss_activations``, the logits in the compute dtype, alive through the layers' backward.
+        head_backward: Unsharded parameters and gradients while the loss and head backpropagate: the head unit and its
+            gradient, the last layer prefetched (and the whole model with ``reshard_after_forward=False``).
+        head_reduce: The same at the head's reduce-scatter: its weights freed, its gradient and the reduce-dtype copy.
         received_tokens: Under expert parallelism, one MoE layer's rows received from the other ranks of its expert
             group, with a margin for uneven routing (:mod:`~fabric_hsdp.planning.experts`).
         end_of_backward: Unsharded root unit and its gradient buffers at the end of backward.
@@ -223,14 +249,24 @@ class Memory:
     step_temporaries: int = 0
     host: int = 0
     received_tokens: int = 0
+    loss_activations: int = 0
+    recompute: int = 0
+    logits: int = 0
+    head_backward: int = 0
+    head_reduce: int = 0
 
     @property
     def total(self) -> int:
-        """The peak: parameters and optimizer state, plus the largest of three moments' transient memory."""
-        start = self.activations + self.gathered + self.received_tokens
+        """The peak: parameters and optimizer state, plus the largest of the moments' transient memory (the module
+        docstring; measured by the counted dry run of the 70B answer, docs/dryrun.md)."""
+        kept = self.activations - self.loss_activations - self.recompute  # every layer's, until its backward
+        loss = kept + self.loss_activations + self.head_backward
+        head = kept + self.logits + self.head_reduce
+        # the last block's backward: where the counted 70B step peaked
+        layer = kept + self.recompute + self.logits + self.gathered + self.received_tokens
         end = self.gradients + self.end_of_backward
         step = self.gradients + self.step_temporaries
-        return self.parameters + self.optimizer + max(start, end, step)
+        return self.parameters + self.optimizer + max(loss, head, layer, end, step)
 
 
 def local_numel(
@@ -318,7 +354,6 @@ def memory_per_device(
     trainable = sum(size.trainable_local for size in sizes.values())
     tensors = sum(size.trainable_tensors for size in sizes.values())
     unsharded = {unit: size.unsharded for unit, size in sizes.items()}
-    largest_root = sizes[""].largest_tensor
     compute, reduce = training.compute_bytes, training.reduce_bytes
     optimizer = training.workload.optimizer
     state = trainable * training.state_bytes  # what trains: its gradients and optimizer state are as large
@@ -329,27 +364,55 @@ def memory_per_device(
     )
     layers = [numel for unit, numel in unsharded.items() if unit]
     largest_layer = max(layers, default=0)
+    # the final norm and head: a unit without the embedding the strategy shards on its own (fsdp.outer_units)
+    head_unit = unsharded[""] - _separate_embedding_numel(model, fsdp_size, tensor_parallel_size)
     if training.reshard_after_forward is False:
-        gathered = sum(unsharded.values())
+        gathered = sum(unsharded.values())  # every unit, the whole step
+        at_head, at_layer = gathered, gathered
+        head_weights_freed = 0
     else:
-        gathered = unsharded[""] + min(2, len(layers)) * largest_layer
-    # the output head's gradient is unsharded from the start of backward until the root unit reduces its gradients
-    gathered_bytes = gathered * compute + largest_root * compute + largest_layer * (compute + reduce)
+        # at the head: it and the last layer (prefetched); in a layer's backward: that layer and the next
+        at_head, at_layer = head_unit + min(1, len(layers)) * largest_layer, min(2, len(layers)) * largest_layer
+        head_weights_freed = head_unit
+    head_backward = (at_head + head_unit) * compute  # the head's gradient too
+    head_reduce = (at_head - head_weights_freed + head_unit) * compute + head_unit * reduce
+    # the last block's weights and gradients, the prefetched layer, and the reduce-scatter input of the unit before
+    # (the head's at the last block: counted 4.20 GB in fp32 at the 70B answer's peak, docs/dryrun.md)
+    gathered_bytes = (at_layer + largest_layer) * compute + max(head_unit, largest_layer) * reduce
+    # the whole root unit, an upper bound (the module docstring: the embedding's unit alone under-plans a measured run)
     end_of_backward = unsharded[""] * (2 * compute + reduce)
     if training.keep_gathered_while_accumulating:  # between micro-batches every unit stays gathered
         end_of_backward = max(end_of_backward, gathered * compute + unsharded[""] * (compute + reduce))
     offloaded = training.cpu_offload
+    activations, loss_activations, recompute, logits = _activation_parts(
+        model, training, tensor_parallel_size, context_parallel_size
+    )
     return Memory(
         parameters=0 if offloaded else parameters,
         gradients=0 if offloaded else state,
         optimizer=0 if offloaded else optimizer_bytes,
         gathered=gathered_bytes,
-        activations=activation_bytes(model, training, tensor_parallel_size, context_parallel_size),
+        activations=activations,
         end_of_backward=end_of_backward,
         step_temporaries=state if optimizer == "adamw" and not offloaded else 0,
         host=parameters + state + optimizer_bytes if offloaded else 0,
         received_tokens=received_tokens_bytes(model, training, expert_parallel_size),
+        loss_activations=loss_activations,
+        recompute=recompute,
+        logits=logits,
+        head_backward=head_backward,
+        head_reduce=head_reduce,
     )
+
+
+def _separate_embedding_numel(model: ModelShape, fsdp_size: int, tensor_parallel_size: int) -> int:
+    """Unsharded elements of the root's token embeddings that are FSDP units of their own (``fsdp.outer_units``:
+    freed after their forward); 0 when an embedding is tied to the head (the root then holds one matrix)."""
+    root = model.units()[""]
+    embeddings = [p for p in root if is_token_embedding(p.name)]
+    if not any(len(p.shape) >= 2 and not is_token_embedding(p.name) for p in root):
+        return 0  # no head of its own: tied, the embedding stays in the root
+    return sum(local_numel(p, fsdp_size, tensor_parallel_size)[1] for p in embeddings)
 
 
 def activation_bytes(
@@ -358,13 +421,23 @@ def activation_bytes(
     """Estimated peak activation bytes per device for one micro-batch (see the module docstring); with context
     parallelism those of the rank's ``seq_len / C`` tokens plus the keys and values its attentions gathered
     (:mod:`~fabric_hsdp.planning.context`)."""
+    return _activation_parts(model, training, tensor_parallel_size, context_parallel_size)[0]
+
+
+def _activation_parts(
+    model: ModelShape, training: Training, tensor_parallel_size: int, context_parallel_size: int
+) -> tuple[int, int, int, int]:
+    """(all activations, of them the loss's, one layer's recompute, the logits in the compute dtype)."""
     gathered = gathered_key_value_bytes(model, training, context_parallel_size)
     local = local_training(training, context_parallel_size)
     split = split_attention_bytes(model, local, context_parallel_size)
-    return gathered + split + _local_activation_bytes(model, local, tensor_parallel_size)
+    saved, loss, recompute, logits = _local_activation_bytes(model, local, tensor_parallel_size)
+    return gathered + split + saved, loss, recompute, logits
 
 
-def _local_activation_bytes(model: ModelShape, training: Training, tensor_parallel_size: int) -> int:
+def _local_activation_bytes(
+    model: ModelShape, training: Training, tensor_parallel_size: int
+) -> tuple[int, int, int, int]:
     dims, tokens, element = model.dims, training.workload.tokens, training.compute_bytes
     tensor = tensor_parallel_size
     outside = tensor if training.sequence_parallel else 1  # the region outside TP, sequence-sharded with SP
@@ -374,6 +447,7 @@ def _local_activation_bytes(model: ModelShape, training: Training, tensor_parall
     layer = (expert_layers * routed + (dims.num_layers - expert_layers) * dense) / max(dims.num_layers, 1)
     vocabulary = tensor if training.loss_parallel else 1
     head = tokens * dims.vocab_size * (element + 8) / vocabulary
+    logits = tokens * dims.vocab_size * element / vocabulary
     checkpointed = training.checkpointed_layers(dims.num_layers)
     if training.checkpointing == "selective":
         kept = tokens * element * (3 * dims.hidden_size / outside + _selective_split(dims, expert_layers > 0) / tensor)
@@ -381,7 +455,7 @@ def _local_activation_bytes(model: ModelShape, training: Training, tensor_parall
         kept = tokens * dims.hidden_size * element / outside
     recompute = max(routed if expert_layers else 0, dense) if checkpointed else 0  # one layer's forward again
     saved = checkpointed * kept + (dims.num_layers - checkpointed) * layer + recompute
-    return int(saved + head)
+    return int(saved + head), int(head), int(recompute), int(logits)
 
 
 def layer_activation_bytes_per_token(

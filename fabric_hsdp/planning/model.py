@@ -182,6 +182,12 @@ def _count(number: int) -> str:
     return f"{number / 1e9:.2f} B" if number >= 1e9 else f"{number / 1e6:.2f} M"
 
 
+def is_token_embedding(name: str) -> bool:
+    """Whether ``name`` is a token embedding's parameter (litgpt's ``wte``, transformers' ``embed_tokens``, ...)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ("embed_tokens", "tok_embeddings", "wte", "embeddings", "embed")
+
+
 def model_shape(
     named_shapes: Iterable[tuple[str, Iterable[int]]],
     description: str,

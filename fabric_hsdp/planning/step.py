@@ -60,7 +60,14 @@ def batch_problem(global_batch_size: int, data_parallel_size: int) -> str | None
 
 def with_headroom(memory: Memory, headroom: float = ACTIVATION_HEADROOM) -> Memory:
     """``memory`` with the activation estimate grown by ``headroom``: what a layout must fit with."""
-    return replace(memory, activations=int(memory.activations * (1 + headroom)))
+    scale = 1 + headroom
+    return replace(
+        memory,
+        activations=int(memory.activations * scale),
+        loss_activations=int(memory.loss_activations * scale),
+        recompute=int(memory.recompute * scale),
+        logits=int(memory.logits * scale),
+    )
 
 
 def step_options(

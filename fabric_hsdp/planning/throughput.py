@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 
 from fabric_hsdp.planning.memory import Training
-from fabric_hsdp.planning.model import ModelShape, ParameterShape
+from fabric_hsdp.planning.model import ModelShape, ParameterShape, is_token_embedding
 from fabric_hsdp.planning.traffic import Traffic
 from fabric_hsdp.topology import CONTEXT_DIM, EXPERT_DIM, TENSOR_DIM, Topology
 
@@ -160,8 +160,7 @@ def _expert(parameter: ParameterShape) -> bool:
 
 
 def _is_token_embedding(name: str) -> bool:
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in ("embed_tokens", "tok_embeddings", "wte", "embeddings", "embed")
+    return is_token_embedding(name)
 
 
 def _is_output_head(name: str) -> bool:

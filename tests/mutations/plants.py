@@ -2382,7 +2382,7 @@ PLANTS: dict[str, Plant] = {
             ),
         ),
         ("tests/planning/test_measured.py::test_predicted_shard_bytes_and_peak_memory_match_the_measured",),
-        expect="assert all(0.84 <= ratio <= 0.93",
+        expect="assert all(0.93 <= ratio <= 1.03",
     ),
     "45n1": Plant(
         "--no_compute counts the step's allocations as the real step's allocator holds them (#45)",
@@ -2404,5 +2404,19 @@ PLANTS: dict[str, Plant] = {
             "tests/test_dryrun.py::test_the_counter_counts_new_storages_until_freed_not_views_in_place_writes_or_real_tensors",
         ),
         expect="assert counter.live == counter.peak == 4000",
+    ),
+    "45p1": Plant(
+        "the planner's peak is the largest moment the counted 70B step found, not a sum at the start of backward (#45)",
+        "the last block's backward counts every activation and the head's gathered weights and gradient at once",
+        (
+            (
+                "        layer = kept + self.recompute + self.logits + self.gathered + self.received_tokens\n",
+                "        layer = self.activations + self.head_backward + self.gathered + self.received_tokens\n",
+            ),
+        ),
+        (
+            "tests/planning/test_counted_peak.py::test_the_70b_answers_planned_peak_is_within_10_percent_of_its_counted_step",
+        ),
+        expect="assert 0.9 <= COUNTED_70B_PEAK / memory.total <= 1.0",
     ),
 }

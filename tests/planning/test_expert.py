@@ -61,10 +61,14 @@ EXPERT_TABLE = {
     ("70B", 16, "slow"): (128, 1, (1, 128), 1, 1, "selective"),
     # Without bandwidths the planner assumes an H100 node's fabric (3200 Gbit/s): the fast row's answer.
     ("70B", 16, "no bandwidth given"): (128, 1, (1, 128), 1, 1, "selective"),
-    # Fast fabric: selective recompute lets one sequence fit without TP (66.9 GB): one gather per step, 556 GB
-    # between nodes in 1.39 s under 2.24 s of compute: compute-bound, 2.24 s. #34's answer, TP 2 without recompute,
-    # needs two micro-batches (two gathers: 1.10 TB in 2.76 s over the same compute): 2.82 s, 1.26x slower.
-    ("70B", 16, "fast"): (128, 1, (1, 128), 1, 1, "selective"),
+    # Fast fabric: selective recompute lets one sequence fit without TP, and since the peak is modelled as the
+    # counted dry run found it (the last block's backward, not everything summed at the start of backward: 50.2
+    # against 57.8 GB over 128 ranks, docs/dryrun.md) also over a shard group of 64 (65.4 of 72.0 GB with the
+    # headroom; it was ~74 GB). Both are compute-bound at 2.24 s (one gather per step: 587 GB between nodes in
+    # 1.47 s with a copy per 8 nodes, 556 GB in 1.39 s over all 128), so the near-tie goes to the smallest shard
+    # group, as for the 8B. #34's answer, TP 2 without recompute, needs two micro-batches (two gathers: 1.10 TB in
+    # 2.76 s over the same compute): 2.82 s, 1.26x slower.
+    ("70B", 16, "fast"): (64, 1, (2, 64), 1, 1, "selective"),
 }
 
 # torchtitan's Llama 3 70B global batch (64 sequences of 8192) at 16 x 8, TP with sequence and loss parallel. 64
@@ -211,8 +215,11 @@ def test_memory_freed_by_tensor_parallelism_buys_micro_batch_and_fewer_recompute
     training = Training("bf16-mixed", Workload(1, 2048), activation_checkpointing=True)
     plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB", **FABRICS["fast"]), training)
     rows = {(row.layout.shard_size, row.layout.tensor_parallel_size): row for row in plan.rows}
-    # TP 1 needs recompute to fit one sequence (selective does); TP 2 fits it without
-    assert rows[(128, 1)].training.checkpointing == "selective" and rows[(128, 2)].training.checkpointing == "none"
+    # TP 1 needs recompute to fit one sequence (selective does); TP 2 fits both of its data-parallel rank's
+    # sequences in one micro-batch with selective (67.3 GB with the headroom): one gather per step, 2.30 s against
+    # 2.82 s for two micro-batches without recompute
+    assert rows[(128, 1)].training.checkpointing == "selective" and rows[(128, 2)].training.checkpointing == "selective"
+    assert (rows[(128, 2)].step.micro_batch_size, rows[(128, 2)].step.accumulation_steps) == (2, 1)
     # TP 8's 8 sequences per data-parallel rank run as micro-batches larger than 1
     assert rows[(128, 8)].step.micro_batch_size > 1
 
@@ -224,9 +231,12 @@ def test_headroom_for_the_estimated_activations(shapes):
     chosen = plan.recommended
     assert chosen.total_with_headroom <= plan.usable_memory
     assert chosen.total_with_headroom >= chosen.memory.total + chosen.memory.activations // 5
-    # the old choice: FSDP over all ranks with the whole micro-batch of 4 (70.7 GB on the estimate) no longer fits
+    # the old choice, FSDP over all ranks with the whole micro-batch of 4, was 70.7 GB summed at the start of
+    # backward; at the peak the counted dry run found (the last block's backward) it is 55.0 GB, 65.6 GB with the
+    # headroom: it fits, and the headroom is what the fit is judged with
     no_tp = next(row for row in plan.rows if (row.layout.shard_size, row.layout.tensor_parallel_size) == (128, 1))
-    assert (no_tp.step.micro_batch_size, no_tp.step.accumulation_steps) == (2, 2)
+    assert (no_tp.step.micro_batch_size, no_tp.step.accumulation_steps) == (4, 1)
+    assert no_tp.total_with_headroom <= plan.usable_memory
     assert "the estimated activations counted 25% over" in plan.reason
 
 
@@ -235,8 +245,8 @@ def test_the_output_says_why_the_winner_won(shapes):
     plan = make_plan(shapes[("70B", "litgpt")], Cluster(16, 8, "80GB", **FABRICS["fast"]), training)
     reason = plan.reason
     assert reason.startswith(
-        "shard_size=128 (all ranks), mesh (1, 128), micro-batch 1 x 1 accumulation step, activation checkpointing"
-        " selective, fits (66.9 GB of 72.0 GB usable"
+        "shard_size=64 (8 nodes), mesh (2, 64), micro-batch 1 x 1 accumulation step, activation checkpointing"
+        " selective, fits (65.4 GB of 72.0 GB usable"
     )
     assert "2.24 s per step (~116,913 tokens/s, MFU ~40%), compute-bound (compute 2.24 s, inter-node traffic" in reason
     # the lever that won, by how much, against the best without it
@@ -245,11 +255,15 @@ def test_the_output_says_why_the_winner_won(shapes):
         " ranks), tensor_parallel_size=2, mesh (1, 64, 2), micro-batch 1 x 2 accumulation steps, activation"
         " checkpointing off, 2.82 s per step)"
     ) in reason
-    # the runner-up: the best other layout, its figure, its ratio and what costs it
+    # the runner-up: the best other layout, its figure and its ratio (FSDP over all ranks, a near-tie)
     assert (
-        "Runner-up: shard_size=128 (all ranks), tensor_parallel_size=2, mesh (1, 64, 2), micro-batch 1 x 2"
-        " accumulation steps, activation checkpointing off, 2.82 s per step (~93,007 tokens/s, MFU ~32%) (1.26x): it"
-        " gathers the model 2 times per step, against 1"
+        "Runner-up: shard_size=128 (all ranks), mesh (1, 128), micro-batch 1 x 1 accumulation step, activation"
+        " checkpointing selective, 2.24 s per step (~116,913 tokens/s, MFU ~40%) (1.00x)"
+    ) in reason
+    # TP 2's best and what costs it
+    assert (
+        "tensor_parallel_size=2: at best shard_size=128 (all ranks), tensor_parallel_size=2, mesh (1, 64, 2),"
+        " micro-batch 2 x 1 accumulation step, activation checkpointing selective, 2.30 s per step"
     ) in reason
     # the best of every other TP size, its figure against the winner's, and what costs it
     assert "tensor_parallel_size=4: at best shard_size=128 (all ranks), tensor_parallel_size=4" in reason

@@ -6,6 +6,7 @@ import pytest
 from fabric_hsdp.planning import Cluster, Training, Workload, make_plan, memory_per_device, traffic_per_step
 from fabric_hsdp.planning.auto import auto_topology
 from fabric_hsdp.planning.experts import expert_parallel_problem
+from fabric_hsdp.planning.memory import unit_sizes
 from fabric_hsdp.planning.model import model_shape_of_module
 from fabric_hsdp.planning.report import plan_table
 from fabric_hsdp.topology import EXPERT_DIM, EXPERT_SHARD_DIM, SHARD_DIM, Topology
@@ -109,10 +110,24 @@ def test_memory_divides_the_gathered_experts_and_adds_the_received_tokens(models
         fsdp_only.parameters, fsdp_only.gradients, fsdp_only.optimizer,
     )  # fmt: skip
     layer_experts = 603_979_776
-    # two layers gathered (bf16) and one layer's gradient buffers (bf16 + fp32): 2 x 2 + 2 + 4 = 10 bytes
-    assert fsdp_only.gathered - expert.gathered == 10 * layer_experts * 7 // 8
+    # in the last block's backward: it and the prefetched layer gathered and its gradients (bf16: 3 x 2 bytes), and
+    # the fp32 reduce-scatter input of the unit before, the larger of a layer and the head (the experts whole: the
+    # layer; EP 8: the head)
+    sizes, expert_sizes = unit_sizes(model, 8, 1), unit_sizes(model, 8, 1, 8)
+    head = sizes[""].unsharded - 151_936 * 2048  # the embedding is its own unit
+    layer, expert_layer = sizes["model.layers.0"].unsharded, expert_sizes["model.layers.0"].unsharded
+    assert layer - expert_layer == layer_experts * 7 // 8
+    buffers = 6 * layer_experts * 7 // 8 + 4 * (max(layer, head) - max(expert_layer, head))
+    assert fsdp_only.gathered - expert.gathered == buffers
     assert (fsdp_only.received_tokens, expert.received_tokens) == (0, 2 * 4096 * 8 * 2048 * 2)
-    assert expert.total == fsdp_only.total - 10 * layer_experts * 7 // 8 + 2 * 4096 * 8 * 2048 * 2
+    # both peak in the loss's backward: its fp32 log-probabilities and their gradient (6.2 GB at a 151,936
+    # vocabulary) outweigh a layer's buffers (and with EP the received rows, 1.1 GB, in a layer's backward); there EP
+    # saves the prefetched last layer's gathered experts (bf16)
+    kept = expert.activations - expert.loss_activations - expert.recompute
+    state = expert.parameters + expert.optimizer
+    for memory in (fsdp_only, expert):
+        assert memory.total == state + kept + memory.loss_activations + memory.head_backward
+    assert fsdp_only.total - expert.total == 2 * layer_experts * 7 // 8
 
 
 def test_the_plan_proposes_ep8_for_qwen3_30b_on_2x8(models):

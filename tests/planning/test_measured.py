@@ -2,7 +2,7 @@
 
 * Local shard bytes of parameters, gradients and optimizer state after an optimizer step, for ``shard_size`` "node",
   "world" and 1, fp32 and bf16-mixed (plus bf16-true and SGD with momentum): within 2 % of ``memory_per_device``.
-* Peak resident memory of a short AdamW training run against the predicted total: 0.84-0.93 of it. The ranks set
+* Peak resident memory of a short AdamW training run against the predicted total: 0.93-1.03 of it. The ranks set
   glibc's mmap threshold to 128 KiB (``mallopt``, as ``MALLOC_MMAP_THRESHOLD_=131072`` would), so freed buffers of
   128 KiB and more go back to the OS at once and the resident set follows what is allocated; with glibc's default
   (a threshold that grows to 32 MiB), freed activation and gradient buffers stay in its heaps and the resident set
@@ -91,12 +91,13 @@ def test_predicted_shard_bytes_and_peak_memory_match_the_measured():
                 assert max(measured) == measured[0] > min(measured), (case, kind, measured)
 
     predicted_peak = memory_per_device(shape_of(PEAK), Training("32-true", Workload(4, 128, "adamw")), 2, 1).total
-    # measured here (torch 2.13, glibc, 2 x 2 gloo ranks, two runs): 0.883-0.888 of the planned 177.9 MB; the
-    # band is that figure 5 % either way, for other machines' allocators. It was +-25 %, in which a planner forgetting
-    # the loss's fp32 copies of the logits (plant 46j6: 1.09-1.10) passed.
+    # measured here (torch 2.13, glibc, 2 x 2 gloo ranks): 0.982-0.985 of the planned 160.0 MB (the peak as the
+    # largest moment, #45; summed at the start of backward it was 177.9 MB and the ratio 0.883-0.888); the band is
+    # that figure 5 % either way, for other machines' allocators. It was +-25 %, in which a planner forgetting the
+    # loss's fp32 copies of the logits (plant 46j6) passed.
     ratios = [rank["peak"]["peak"] / predicted_peak for rank in values]
     print("peak RSS / planned peak, per rank:", [round(ratio, 4) for ratio in ratios])
-    assert all(0.84 <= ratio <= 0.93 for ratio in ratios), (ratios, predicted_peak)
+    assert all(0.93 <= ratio <= 1.03 for ratio in ratios), (ratios, predicted_peak)
 
     for rank in values:
         fits_both_nodes, fits_nowhere, with_tensor_parallel = rank["auto"]

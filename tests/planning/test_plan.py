@@ -39,14 +39,20 @@ def expected_total(hidden, layers, inner, vocab, shard, tokens, tensors):
     root, layer, total = llama_counts(hidden, layers, inner, vocab)
     parameters = gradients = 4 * total / shard  # fp32 master shards and fp32 gradients
     optimizer = 8 * total / shard + 4 * tensors  # two fp32 moments, a 4-byte step per tensor
-    # bf16: root + two layers gathered, the output head's bf16 gradient, one layer's bf16 gradients + fp32 copy
-    gathered = 2 * (root + 2 * layer) + 2 * vocab * hidden + (2 + 4) * layer
+    head = vocab * hidden + hidden  # the final norm and output head: one unit (the embedding is its own, freed)
     per_layer_token = 2 * (2 * hidden + 5 * hidden + 2 * hidden + 4 * inner) + 2 * hidden * 4
-    activations = layers * tokens * per_layer_token + tokens * vocab * (2 + 8)
-    start_of_backward = activations + gathered
+    kept = layers * tokens * per_layer_token
+    loss, logits = tokens * vocab * (2 + 8), tokens * vocab * 2
+    # the loss and head backward: the head gathered, its bf16 gradient, the last layer prefetched
+    loss_backward = kept + loss + 2 * (head + layer) + 2 * head
+    # the head's reduce-scatter: its weights freed, its bf16 gradient and fp32 copy, the bf16 logits still alive
+    head_reduce = kept + logits + 2 * layer + (2 + 4) * head
+    # the last block's backward: it and the prefetched layer gathered, its bf16 gradients, the head's fp32
+    # reduce-scatter input (the measured peak of the 70B answer, docs/dryrun.md)
+    last_block = kept + logits + 2 * 2 * layer + 2 * layer + 4 * max(head, layer)
     end_of_backward = gradients + root * (2 + 2 + 4)
     optimizer_step = gradients + parameters
-    return parameters + optimizer + max(start_of_backward, end_of_backward, optimizer_step)
+    return parameters + optimizer + max(loss_backward, head_reduce, last_block, end_of_backward, optimizer_step)
 
 
 def test_worked_example_65b_on_two_8x80gb_nodes_fits_nowhere():
