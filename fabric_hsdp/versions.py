@@ -176,6 +176,11 @@ def active_fake_mode() -> Any:
     return active_fake_mode()
 
 
+def item_op() -> Any:
+    """``aten._local_scalar_dense``: the op behind ``Tensor.item()`` (a tensor without data has no value to give)."""
+    return torch.ops.aten._local_scalar_dense.default
+
+
 def torch_dispatch_mode_class() -> type:
     """``torch.utils._python_dispatch.TorchDispatchMode``: sees every ATen call made within it."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -26,9 +26,11 @@ import torch
 
 from fabric_hsdp.versions import (
     active_fake_mode,
+    c10d_functional_ops,
     data_dependent_output_error,
     dtensor_sharding_propagator,
     fake_tensor_mode,
+    item_op,
     storages_of,
     torch_dispatch_mode_class,
 )
@@ -118,12 +120,12 @@ class AllocationCounter(_TorchDispatchMode):
 
         if any(issubclass(kind, DTensor) for kind in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
-        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
+        if func is c10d_functional_ops().wait_tensor.default and active_fake_mode() is not None:
             return args[0]  # eagerly it returns its input; its fake kernel makes a new tensor
         try:
             result = func(*args, **(kwargs or {}))
         except _DataDependentOutput:
-            if func is not torch.ops.aten._local_scalar_dense.default:
+            if func is not item_op():
                 raise
             return _zero_like(args[0])  # .item() of a tensor without data (a logged loss): no value to give
         if self._propagating or active_fake_mode() is not self._fake_mode:
