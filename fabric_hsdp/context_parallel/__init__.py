@@ -7,7 +7,7 @@ With ``context_parallel_size=C`` the ``C`` ranks of a context group take the sam
 model code changes; litgpt's ``GPT`` through its attention classes and RoPE tables (:mod:`.litgpt`, a packed
 sequence read as one, as litgpt reads it). The loss of a rank is its tokens' share of the sequence's mean
 (:func:`cross_entropy`); FSDP then divides gradients by the data-parallel ranks only
-(``parallelize.divide_gradients_by_data_parallel_ranks``), so a run at ``C`` trains as the unsplit run. Parameters
+(``setup.pipeline.divide_gradients_by_data_parallel_ranks``), so a run at ``C`` trains as the unsplit run. Parameters
 are sharded over ``shard`` as without it: checkpoints are unchanged.
 """
 

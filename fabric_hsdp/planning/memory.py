@@ -126,7 +126,7 @@ AC_MODES: tuple[str, ...] = ("none", "full", "selective")
 
 def parse_activation_checkpointing_mode(mode: str | int) -> str | int:
     """The planner's mode: ``"none"``, ``"full"``, ``"selective"`` or a positive int k (every k-th block), also as
-    the text ``fabric-hsdp plan`` gets (``"2"``); the strategy's own check (no ``"none"``) is in ``parallelize``.
+    the text ``fabric-hsdp plan`` gets (``"2"``); the strategy's own check (no ``"none"``) is in ``setup.pipeline``.
 
     Raises:
         ValueError: Anything else.
