@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import moe
+from tests.helpers.allocator import allocations
 from tests.helpers.launch import launch, launch_cases
 from tests.helpers.parity import (
     Trained,
@@ -244,10 +245,9 @@ def _peak_bytes(model: torch.nn.Module, strategy: Any, rows: int) -> int:
             strategy.cross_entropy(model(inputs, position_ids=positions).logits, labels).backward()
     finally:
         gc.enable()
-    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
     held = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        held += event.nbytes()  # negative for a free
+    for change in allocations(profiler):
+        held += change  # negative for a free
         peak = max(peak, held)
     return peak
 

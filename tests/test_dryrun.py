@@ -13,6 +13,7 @@ import torch
 
 from fabric_hsdp.cli import main
 from fabric_hsdp.dryrun import NOT_MEANINGFUL, dry_run, rank_kinds
+from tests.helpers.allocator import allocations
 
 SCRIPT = Path(__file__).with_name("helpers") / "dryrun_script.py"
 STEP_BUFFER_MB = 64
@@ -401,12 +402,10 @@ def _allocator_peak_of_the_step(run: Any) -> tuple[int, Any]:
     with patched, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         report = run()
     live, start, peak = 0, None, 0
-    for event in profiler.profiler.kineto_results.events():
-        if event.name() != "[memory]" or event.device_type() != torch.autograd.DeviceType.CPU:
-            continue
-        if start is None and event.nbytes() == marker:
+    for change in allocations(profiler):
+        if start is None and change == marker:
             start = live
-        live += event.nbytes()
+        live += change
         if start is not None:
             peak = max(peak, live - start)
     assert start is not None, "the step's marker is not in the trace"
